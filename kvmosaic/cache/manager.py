@@ -1,0 +1,210 @@
+"""KV cache managers: the one interface the scheduler talks to, and the hash-chain backend.
+
+A manager maps each running request to its *block table* (the physical blocks that hold
+its tokens' KV, in order) and decides which blocks a new request can take from the cache.
+The life of a request, as the scheduler drives it::
+
+    match = mgr.match_prefix(req)            # no side effects
+    table = mgr.allocate_slots(req, n, match) # takes refs on the hit, allocates new blocks
+    ... the model writes KV for the scheduled tokens ...
+    mgr.commit(req, num_computed_tokens)      # index what is now computed
+    ... more allocate_slots / commit per step ...
+    mgr.free(req)                             # drop refs, tail first
+
+Backends: :class:`HashCacheManager` (vLLM's block hash chain; ``enable_caching=False``
+gives the no-cache baseline) and ``RadixCacheManager`` (SGLang's radix tree, in
+``radix.py``). All give identical model outputs; they differ only in how much they reuse.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from .block_pool import BlockPool, KVBlock
+from .hashing import BlockHash, BlockHasher, HashFn
+
+
+class CacheRequest(Protocol):
+    """What a manager needs to know about a request (the engine's Sequence provides it)."""
+
+    request_id: str
+    cache_salt: str | None
+    adapter_id: str | None
+
+    @property
+    def all_token_ids(self) -> list[int]: ...
+
+
+@dataclass
+class MatchResult:
+    """A cached prefix found for a request: ``blocks`` hold its first ``num_tokens`` tokens.
+
+    ``num_tokens`` may end inside the last block (radix backend); the manager then copies
+    that block's matched part into a fresh block before the request writes to it.
+    """
+
+    blocks: list[KVBlock] = field(default_factory=list)
+    num_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class BlockCopy:
+    """Copy the KV of the first ``num_tokens`` slots of block ``src`` into block ``dst``."""
+
+    src: int
+    dst: int
+    num_tokens: int
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counted in tokens, as vLLM's ``prefix_cache_queries`` / ``prefix_cache_hits``."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager(ABC):
+    def __init__(self, pool: BlockPool) -> None:
+        self.pool = pool
+        self.block_size = pool.block_size
+        self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.stats = PrefixCacheStats()
+        self.pending_copies: list[BlockCopy] = []
+
+    # ---- the cache policy (per backend) --------------------------------------------------
+    @abstractmethod
+    def match_prefix(self, req: CacheRequest) -> MatchResult:
+        """The longest reusable prefix, at most ``len(tokens) - 1`` tokens (the last prompt
+        token is always recomputed: its logits are needed). No side effects."""
+
+    @abstractmethod
+    def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
+        """Make the request's first ``num_computed_tokens`` tokens (KV written) reusable."""
+
+    def on_free(self, req: CacheRequest, blocks: list[KVBlock]) -> None:
+        """Hook for backends that keep per-request state."""
+
+    @abstractmethod
+    def reset_prefix_cache(self) -> bool: ...
+
+    # ---- shared mechanics ----------------------------------------------------------------
+    def record_query(self, req: CacheRequest, match: MatchResult) -> None:
+        self.stats.requests += 1
+        self.stats.queries += len(req.all_token_ids)
+        self.stats.hits += match.num_tokens
+
+    def block_table(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self.req_blocks.get(request_id, ())]
+
+    def num_blocks_needed(self, req: CacheRequest, num_tokens: int, match: MatchResult | None) -> int:
+        have = len(self.req_blocks.get(req.request_id, ()))
+        if match is not None and req.request_id not in self.req_blocks:
+            have = match.num_tokens // self.block_size  # whole hit blocks are shared
+        return max(0, -(-num_tokens // self.block_size) - have)
+
+    def allocate_slots(
+        self, req: CacheRequest, num_total_tokens: int, match: MatchResult | None = None
+    ) -> list[int] | None:
+        """Make the block table cover ``num_total_tokens`` tokens. On the request's first
+        call, ``match`` is the prefix to reuse (its blocks are referenced). Returns the block
+        table, or None, changing nothing, when the pool cannot supply the blocks."""
+        first = req.request_id not in self.req_blocks
+        hit = match if (first and match is not None) else MatchResult()
+        full_hit = hit.num_tokens // self.block_size
+        partial = hit.num_tokens % self.block_size
+        need = self.num_blocks_needed(req, num_total_tokens, hit if first else None)
+        # Hit blocks that are evictable leave the free queue when touched: count them.
+        evictable_hits = sum(1 for b in hit.blocks[:full_hit] if b.ref_cnt == 0)
+        if need + evictable_hits > self.pool.num_free_blocks:
+            return None
+        if first:
+            self.pool.touch(hit.blocks[:full_hit])
+            self.req_blocks[req.request_id] = list(hit.blocks[:full_hit])
+        new = self.pool.get_new_blocks(need)
+        if first and partial:
+            # Copy-on-write: the matched head of a shared block goes into a private block.
+            self.pending_copies.append(BlockCopy(hit.blocks[full_hit].block_id, new[0].block_id, partial))
+        self.req_blocks[req.request_id].extend(new)
+        return self.block_table(req.request_id)
+
+    def take_pending_copies(self) -> list[BlockCopy]:
+        out, self.pending_copies = self.pending_copies, []
+        return out
+
+    def free(self, req: CacheRequest) -> None:
+        blocks = self.req_blocks.pop(req.request_id, [])
+        self.on_free(req, blocks)
+        self.pool.free_blocks(reversed(blocks))
+
+    @property
+    def num_running(self) -> int:
+        return len(self.req_blocks)
+
+
+class HashCacheManager(KVCacheManager):
+    """vLLM's automatic prefix caching: full blocks named by the chained hash."""
+
+    def __init__(
+        self,
+        pool: BlockPool,
+        seed: BlockHash,
+        hash_fn: HashFn,
+        enable_caching: bool = True,
+    ) -> None:
+        super().__init__(pool)
+        self.seed = seed
+        self.hash_fn = hash_fn
+        self.enable_caching = enable_caching
+        self.hashers: dict[str, BlockHasher] = {}
+        self.num_committed: dict[str, int] = {}  # blocks already indexed, per request
+
+    def hasher(self, req: CacheRequest) -> BlockHasher:
+        h = self.hashers.get(req.request_id)
+        if h is None:
+            h = BlockHasher(self.seed, self.block_size, self.hash_fn, req.cache_salt, req.adapter_id)
+            self.hashers[req.request_id] = h
+        return h
+
+    def match_prefix(self, req: CacheRequest) -> MatchResult:
+        if not self.enable_caching:
+            return MatchResult()
+        tokens = req.all_token_ids
+        hashes = self.hasher(req).update(tokens)
+        max_blocks = (len(tokens) - 1) // self.block_size
+        bs = self.block_size
+        hit: list[KVBlock] = []
+        for i, h in enumerate(hashes[:max_blocks]):
+            block = self.pool.get_cached_block(h, tokens[i * bs : (i + 1) * bs])
+            if block is None:
+                break  # the chain is broken: nothing after a miss can hit
+            hit.append(block)
+        return MatchResult(hit, len(hit) * bs)
+
+    def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        blocks = self.req_blocks[req.request_id]
+        tokens = req.all_token_ids
+        hashes = self.hasher(req).update(tokens[:num_computed_tokens])
+        start = self.num_committed.get(req.request_id, 0)
+        end = min(num_computed_tokens // self.block_size, len(blocks))
+        bs = self.block_size
+        for i in range(start, end):
+            parent = hashes[i - 1] if i else None
+            self.pool.cache_block(blocks[i], hashes[i], parent, tokens[i * bs : (i + 1) * bs], req.adapter_id)
+        self.num_committed[req.request_id] = max(start, end)
+
+    def on_free(self, req: CacheRequest, blocks: list[KVBlock]) -> None:
+        self.hashers.pop(req.request_id, None)
+        self.num_committed.pop(req.request_id, None)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()

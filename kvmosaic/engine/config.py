@@ -1,0 +1,56 @@
+"""Engine configuration, as one small dataclass (names follow vLLM's engine arguments)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PREFIX_CACHES = ("hash", "radix", "none")
+
+
+@dataclass
+class EngineConfig:
+    model: str | None = None  # None: the shipped SmolLM2-135M-Instruct GGUF
+    dtype: str = "bfloat16"
+    device: str = "auto"  # "auto" takes CUDA when there is one
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True
+    prefix_cache: str | None = None  # "hash" | "radix" | "none"; None follows enable_prefix_caching
+    hash_algo: str = "sha256_cbor"
+    verify_tokens: bool = False  # compare tokens on every hash hit (guards against collisions)
+    scheduling_policy: str = "fcfs"  # or "lpm"
+    eviction_policy: str = "lru"
+    enable_kv_events: bool = False
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.prefix_cache is None:
+            self.prefix_cache = "hash" if self.enable_prefix_caching else "none"
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache must be one of {PREFIX_CACHES}, got {self.prefix_cache!r}")
+        self.enable_prefix_caching = self.prefix_cache != "none"
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.scheduling_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def torch_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)

@@ -1,0 +1,73 @@
+"""The offline API, shaped like vLLM's: ``LLM(...).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+
+from tqdm.auto import tqdm
+
+from .config import EngineConfig
+from .llm_engine import EngineStats, LLMEngine, PromptInput, RequestOutput
+from .sampling_params import SamplingParams
+
+
+class LLM:
+    """``LLM()`` loads the shipped model; every :class:`EngineConfig` field is a keyword."""
+
+    def __init__(self, model: str | None = None, **kwargs) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptInput | Seq[PromptInput],
+        params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together; outputs in prompt order."""
+        if isinstance(prompts, (str, dict)) or (
+            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
+        ):
+            prompts = [prompts]
+        params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError("pass one SamplingParams, or one per prompt")
+        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params_list)]
+        return self._run(ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        params: SamplingParams | None = None,
+        cache_salt: str | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [{"prompt": self.apply_chat_template(c), "cache_salt": cache_salt} for c in convs]
+        if cache_salt is None:
+            prompts = [p["prompt"] for p in prompts]
+        return self.generate(prompts, params, use_tqdm)
+
+    def apply_chat_template(self, messages: list[dict]) -> str:
+        return self.engine.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="requests", disable=not use_tqdm)
+        while len(done) < len(ids) and self.engine.has_unfinished_requests():
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+                    bar.update(1)
+        bar.close()
+        return [done[i] for i in ids]
+
+    def reset_prefix_cache(self) -> bool:
+        return self.engine.reset_prefix_cache()
+
+    def get_stats(self) -> EngineStats:
+        return self.engine.get_stats()

@@ -1,0 +1,54 @@
+"""Sampling parameters, shaped like vLLM's, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop.
+
+    ``temperature == 0`` is greedy. ``top_k`` of -1 (or 0) and ``top_p`` of 1 disable those
+    filters. ``seed`` makes a sampled request reproducible regardless of what it is batched
+    with. ``logprobs=k`` returns the top-k log-probabilities of each generated token.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = None
+    n: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool), "max_tokens must be an integer")
+        _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
+        _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+               f"temperature must be in [0, 100], got {self.temperature}")
+        _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), f"top_k must be -1 or >= 0, got {self.top_k}")
+        _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
+        _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids")
+        _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+               f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)

@@ -1,0 +1,69 @@
+"""The paged KV pool: one allocation, fixed-size blocks, per-layer views.
+
+Layout: ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``. A token's
+KV lives at *slot* ``block_id * block_size + offset`` of every layer; attention reads a
+sequence's context through the slots its block table names. K is stored after RoPE.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.config import ModelConfig
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class PagedKVCache:
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.buffer = torch.zeros(
+            config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
+            dtype=dtype, device=self.device,
+        )
+        # Flat per-layer views: [num_slots, kv_heads, head_dim], indexed by slot.
+        kv = self.buffer.view(config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k = [kv[i, 0] for i in range(config.num_layers)]
+        self.v = [kv[i, 1] for i in range(config.num_layers)]
+
+    @staticmethod
+    def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+        return max(1, budget_bytes // (config.kv_bytes_per_token(dtype_bytes(dtype)) * block_size))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.config.kv_bytes_per_token(dtype_bytes(self.dtype))
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel() * self.buffer.element_size()
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store K/V ``[tokens, kv_heads, head_dim]`` at ``slots``."""
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    def copy_blocks(self, copies: list[tuple[int, int, int]]) -> None:
+        """Copy the first n slots of block src into block dst, every layer (copy-on-write)."""
+        for src, dst, n in copies:
+            self.buffer[:, :, dst, :n] = self.buffer[:, :, src, :n]
+
+    def read_block(self, block_id: int) -> torch.Tensor:
+        """A block's KV in every layer: ``[num_layers, 2, block_size, kv_heads, head_dim]``."""
+        return self.buffer[:, :, block_id]
+
+    def write_block(self, block_id: int, data: torch.Tensor) -> None:
+        self.buffer[:, :, block_id] = data.to(self.buffer.device, self.buffer.dtype)

@@ -1,0 +1,71 @@
+"""Attention over the paged KV pool.
+
+A step's tokens are packed into one flat batch (so every linear layer is one GEMM). The
+runner describes how they split into sequences with :class:`AttentionMetadata`:
+
+* ``slot_mapping[t]``: where token t's K/V is written;
+* ``prefills``: sequences with more than one new token, each attended on its own (their
+  queries are long, so per-sequence calls are efficient and need no padding);
+* ``decode``: sequences with exactly one new token, attended together in one padded call.
+
+Each sequence's context (cached tokens plus the new ones) is gathered from the pool through
+its slots, so a cached prefix and freshly written KV are read the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first of this sequence's tokens in the flat batch
+    end: int
+    ctx_slots: torch.Tensor  # [ctx_len] slots of the whole context, new tokens last
+    mask: torch.Tensor | None  # [q_len, ctx_len] bool, None when the context is only new tokens
+
+
+@dataclass
+class DecodeBatch:
+    token_index: torch.Tensor  # [B] position of each decode token in the flat batch
+    ctx_slots: torch.Tensor  # [B, max_ctx] padded with slot 0
+    mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool, None when no padding
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    prefills: list[PrefillSpan] = field(default_factory=list)
+    decode: DecodeBatch | None = None
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: ``[T, heads, head_dim]``; caches: ``[slots, kv_heads, head_dim]``. Returns
+    ``[T, heads, head_dim]``."""
+    out = torch.empty_like(q)
+    for span in meta.prefills:
+        qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
+        k = k_cache.index_select(0, span.ctx_slots).transpose(0, 1).unsqueeze(0)
+        v = v_cache.index_select(0, span.ctx_slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            qs, k, v, attn_mask=span.mask, is_causal=span.mask is None, scale=scale, enable_gqa=True
+        )
+        out[span.start : span.end] = o[0].transpose(0, 1)
+    d = meta.decode
+    if d is not None:
+        b, n = d.ctx_slots.shape
+        qd = q.index_select(0, d.token_index).unsqueeze(2)  # [B, H, 1, D]
+        k = k_cache.index_select(0, d.ctx_slots.reshape(-1)).view(b, n, *k_cache.shape[1:]).transpose(1, 2)
+        v = v_cache.index_select(0, d.ctx_slots.reshape(-1)).view(b, n, *v_cache.shape[1:]).transpose(1, 2)
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale, enable_gqa=True)
+        out.index_copy_(0, d.token_index, o.squeeze(2))
+    return out

@@ -1,0 +1,147 @@
+"""A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) that reads and
+writes its KV through the paged pool.
+
+Q/K/V and gate/up projections are fused into one weight each, so a layer is four GEMMs over
+the whole packed batch. Numerics follow Hugging Face's Llama (norms in float32, RoPE tables
+in float32), so float32 logits match transformers on the same weights.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .attention import AttentionMetadata, paged_attention
+from .config import ModelConfig
+
+if TYPE_CHECKING:
+    from ..kv.paged import PagedKVCache
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables in float32 for every position up to ``max_positions``."""
+
+    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    return x * cos + rotate_half(x) * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=False)
+        self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.split = (q, kv, kv)
+        self.scale = cfg.head_dim**-0.5
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Normed input -> rotated q ``[T, H, D]``, rotated k and v ``[T, Hkv, D]``."""
+        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(self.split, dim=-1)
+        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, and the SwiGLU MLP."""
+        x = x + self.o_proj(attn.flatten(1))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+    def forward(self, x, cos, sin, kv: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv(x, cos, sin)
+        kv.write(self.layer_idx, meta.slot_mapping, k, v)
+        attn = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], meta, self.scale)
+        return self.finish(x, attn)
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head, in float32 logits."""
+        return F.linear(self.norm(hidden), self.output_weight).float()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv: PagedKVCache,
+        meta: AttentionMetadata,
+        logits_index: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Run the packed batch; return logits only at ``logits_index`` (all tokens if None),
+        which skips the vocabulary projection for every prompt token but the last."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary(positions, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, meta)
+        if logits_index is not None:
+            x = x.index_select(0, logits_index)
+        return self.compute_logits(x)
+
+    def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load Hugging Face Llama names, fusing q/k/v and gate/up."""
+        t = lambda name: tensors[name]  # noqa: E731
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(t("model.embed_tokens.weight"))
+            self.norm.weight.copy_(t("model.norm.weight"))
+            if self.lm_head is not None:
+                self.lm_head.weight.copy_(t("lm_head.weight"))
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.qkv_proj.weight.copy_(torch.cat([t(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
+                layer.o_proj.weight.copy_(t(p + "self_attn.o_proj.weight"))
+                layer.gate_up_proj.weight.copy_(torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]))
+                layer.down_proj.weight.copy_(t(p + "mlp.down_proj.weight"))
+                layer.input_layernorm.weight.copy_(t(p + "input_layernorm.weight"))
+                layer.post_attention_layernorm.weight.copy_(t(p + "post_attention_layernorm.weight"))
