@@ -1,30 +1,45 @@
-"""The block pool: reference counts, the content index and an O(1) LRU free queue.
+"""The block pool: reference counts, the content index, a free list and an evictor.
 
 Invariants (checked by :meth:`BlockPool.check_invariants`, property-tested):
 
 * every block is in exactly one state: *in use* (``ref_cnt > 0``), *evictable*
   (``ref_cnt == 0`` and it holds a hash, so its KV can still be hit), or *free*
   (``ref_cnt == 0``, no hash); ``free + evictable + in_use == num_blocks``;
-* the free queue holds exactly the blocks with ``ref_cnt == 0``; blocks without a hash sit
-  before all cached ones, so a cached block is evicted only when no truly free block is left;
-  among cached blocks the order is least recently freed first;
+* the free queue holds exactly the free blocks and the evictor exactly the evictable ones,
+  so a cached block is evicted only when no truly free block is left; among cached blocks
+  the evictor's policy picks the victim (LRU by default, O(1); see ``eviction.py``);
 * a block's hash is set only after its KV was written (the caller's promise) and cleared
   only when the block is evicted (re-allocated) or the cache is reset;
-* a block with a reference is never evicted; a hash maps to at most one block.
+* a block with a reference is never evicted; a hash maps to at most one block;
+* a pinned block holds one reference owned by the pin table (so it is *in use* and never
+  evicted); at most ``max_pinned_blocks`` distinct blocks are pinned.
+
+Other owners of references (a radix tree holds one per node covering a block) are in use
+as far as the pool knows; they give blocks back with :meth:`free_blocks`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+import itertools
+from collections.abc import Iterable, Sequence
 
+from .eviction import Evictor, FreeBlockQueue, make_evictor
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
 from .hashing import BlockHash
 
+__all__ = ["BlockPool", "FreeBlockQueue", "KVBlock", "NoFreeBlocksError"]
+
 
 class KVBlock:
-    """Bookkeeping for one physical block of the KV pool (the tensors live in ``kv/``)."""
+    """Bookkeeping for one physical block of the KV pool (the tensors live in ``kv/``).
 
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free")
+    ``last_access``, ``hits`` and ``priority`` feed the eviction policy: the pool's logical
+    clock at the last reference taken or dropped, the references taken since the block was
+    (re)filled, and the highest priority of a request that dropped a reference to it.
+    """
+
+    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free",
+                 "last_access", "hits", "priority")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -33,58 +48,13 @@ class KVBlock:
         self.token_ids: tuple[int, ...] | None = None  # kept only when tokens are verified
         self.prev_free: KVBlock | None = None
         self.next_free: KVBlock | None = None
+        self.last_access = 0
+        self.hits = 0
+        self.priority = 0
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
         return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
-
-
-class FreeBlockQueue:
-    """Doubly linked list through the blocks themselves: O(1) push at either end, pop from
-    the head and removal from the middle (a cache hit on an evictable block)."""
-
-    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
-        self._head = KVBlock(-1)
-        self._tail = KVBlock(-1)
-        self._head.next_free, self._tail.prev_free = self._tail, self._head
-        self._len = 0
-        for b in blocks:
-            self.append(b)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def _link(self, block: KVBlock, prev: KVBlock, nxt: KVBlock) -> None:
-        block.prev_free, block.next_free = prev, nxt
-        prev.next_free = nxt.prev_free = block
-        self._len += 1
-
-    def append(self, block: KVBlock) -> None:
-        self._link(block, self._tail.prev_free, self._tail)
-
-    def appendleft(self, block: KVBlock) -> None:
-        self._link(block, self._head, self._head.next_free)
-
-    def remove(self, block: KVBlock) -> None:
-        if block.prev_free is None or block.next_free is None:
-            raise RuntimeError(f"{block} is not in the free queue")
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
-        block.prev_free = block.next_free = None
-        self._len -= 1
-
-    def popleft(self) -> KVBlock:
-        if self._len == 0:
-            raise IndexError("no free block")
-        block = self._head.next_free
-        self.remove(block)
-        return block
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        b = self._head.next_free
-        while b is not self._tail:
-            yield b
-            b = b.next_free
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -100,6 +70,8 @@ class BlockPool:
         block_size: int,
         events: EventLog | None = None,
         verify_tokens: bool = False,
+        eviction_policy: str = "lru",
+        max_pinned_blocks: int | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the pool needs at least one block")
@@ -107,20 +79,36 @@ class BlockPool:
         self.block_size = block_size
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.eviction_policy = eviction_policy
+        self.evictor: Evictor = make_evictor(eviction_policy, num_blocks)
         self.cached: dict[BlockHash, KVBlock] = {}
         self.events = events or EventLog()
         self.verify_tokens = verify_tokens
         self.num_evictions = 0
+        self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
+        self.pinned: dict[int, int] = {}  # block_id -> pin count
+        self._clock = itertools.count(1)
+
+    def set_eviction_policy(self, policy: str) -> None:
+        """Switch the evictor; the evictable blocks move over (in the new policy's order)."""
+        old, self.evictor = self.evictor, make_evictor(policy, self.num_blocks)
+        self.eviction_policy = policy
+        for block in sorted(old, key=lambda b: b.last_access):
+            self.evictor.add(block)
 
     # ---- queries -------------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
         """Blocks that can be handed out now (truly free plus evictable)."""
-        return len(self.free_queue)
+        return len(self.free_queue) + len(self.evictor)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free_queue)
+        return self.num_blocks - self.num_free_blocks
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self.pinned)
 
     @property
     def usage(self) -> float:
@@ -137,15 +125,21 @@ class BlockPool:
 
     # ---- reference counting --------------------------------------------------------------
     def get_new_blocks(self, n: int) -> list[KVBlock]:
-        """Take ``n`` blocks from the head of the free queue, evicting cached ones lazily."""
-        if n > len(self.free_queue):
-            raise NoFreeBlocksError(f"asked for {n} blocks, {len(self.free_queue)} free")
+        """Take ``n`` free blocks, evicting cached ones (in policy order) only when no truly
+        free block is left."""
+        if n > self.num_free_blocks:
+            raise NoFreeBlocksError(f"asked for {n} blocks, {self.num_free_blocks} free")
         out = []
         for _ in range(n):
-            block = self.free_queue.popleft()
-            if block.block_hash is not None:
+            if len(self.free_queue):
+                block = self.free_queue.popleft()
+            else:
+                block = self.evictor.pop()
                 self._evict(block)
             block.ref_cnt = 1
+            block.hits = 1
+            block.priority = 0
+            block.last_access = next(self._clock)
             out.append(block)
         return out
 
@@ -153,21 +147,52 @@ class BlockPool:
         """Take a reference on blocks found in the cache (removing them from the queue)."""
         for block in blocks:
             if block.ref_cnt == 0:
-                self.free_queue.remove(block)
+                if block.block_hash is None:
+                    self.free_queue.remove(block)
+                else:
+                    self.evictor.remove(block)
             block.ref_cnt += 1
+            block.hits += 1
+            block.last_access = next(self._clock)
 
-    def free_blocks(self, ordered_blocks: Iterable[KVBlock]) -> None:
+    def free_blocks(self, ordered_blocks: Iterable[KVBlock], priority: int = 0) -> None:
         """Drop one reference from each block. Pass them in eviction order: a request frees
-        its blocks tail first, so its last blocks (least likely shared) are evicted first."""
+        its blocks tail first, so its last blocks (least likely shared) are evicted first.
+        ``priority`` is the dropping request's (see the ``priority`` eviction policy)."""
         for block in ordered_blocks:
             if block.ref_cnt <= 0:
                 raise RuntimeError(f"double free of {block}")
             block.ref_cnt -= 1
+            block.priority = max(block.priority, priority)
+            block.last_access = next(self._clock)
             if block.ref_cnt == 0:
                 if block.block_hash is None:
-                    self.free_queue.appendleft(block)
-                else:
                     self.free_queue.append(block)
+                else:
+                    self.evictor.add(block)
+
+    # ---- pinning -------------------------------------------------------------------------
+    def pin(self, blocks: Sequence[KVBlock]) -> bool:
+        """Hold a reference on each block until :meth:`unpin`. All or nothing: refused
+        (False) when it would pin more than ``max_pinned_blocks`` distinct blocks."""
+        new = {b.block_id for b in blocks} - self.pinned.keys()
+        if len(self.pinned) + len(new) > self.max_pinned_blocks:
+            return False
+        self.touch(blocks)
+        for b in blocks:
+            self.pinned[b.block_id] = self.pinned.get(b.block_id, 0) + 1
+        return True
+
+    def unpin(self, blocks: Sequence[KVBlock]) -> None:
+        for b in blocks:
+            count = self.pinned.get(b.block_id, 0)
+            if count == 0:
+                raise RuntimeError(f"{b} is not pinned")
+            if count == 1:
+                del self.pinned[b.block_id]
+            else:
+                self.pinned[b.block_id] = count - 1
+        self.free_blocks(reversed(blocks))
 
     # ---- the content index ---------------------------------------------------------------
     def cache_block(
@@ -201,36 +226,48 @@ class BlockPool:
         self.num_evictions += 1
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block. Refused (returns False) while any block is in use,
-        since running requests may be about to index blocks they are filling."""
-        if self.num_used_blocks:
+        """Forget every cached block and every pin. Refused (returns False) while any block
+        is in use other than by a pin, since running requests may be about to index blocks
+        they are filling."""
+        if self.num_used_blocks > len(self.pinned) or any(
+            self.blocks[i].ref_cnt != c for i, c in self.pinned.items()
+        ):
             return False
         for block in self.blocks:
             block.block_hash = None
             block.token_ids = None
+            block.ref_cnt = 0
+        self.pinned.clear()
         self.cached.clear()
         self.free_queue = FreeBlockQueue(self.blocks)
+        self.evictor = make_evictor(self.eviction_policy, self.num_blocks)
         self.events.emit(AllBlocksCleared())
         return True
 
     def check_invariants(self) -> None:
-        in_queue = set()
+        in_queue: set[int] = set()
         for b in self.free_queue:
             assert b.ref_cnt == 0, f"{b} is queued with references"
+            assert b.block_hash is None, f"{b} is free but holds a hash"
             assert b.block_id not in in_queue, f"{b} is queued twice"
             in_queue.add(b.block_id)
-        seen_cached = False
-        for b in self.free_queue:
-            if b.block_hash is not None:
-                seen_cached = True
-            assert not (seen_cached and b.block_hash is None), "a free block sits behind a cached one"
+        for b in self.evictor:
+            assert b.ref_cnt == 0, f"{b} is evictable with references"
+            assert b.block_hash is not None, f"{b} is evictable without a hash"
+            assert b.block_id not in in_queue, f"{b} is queued twice"
+            in_queue.add(b.block_id)
+        assert len(in_queue) == self.num_free_blocks
         for b in self.blocks:
             assert b.ref_cnt >= 0
             assert (b.ref_cnt == 0) == (b.block_id in in_queue), f"{b} queue state is wrong"
             if b.block_hash is not None:
                 assert self.cached.get(b.block_hash) is b, f"{b} hash not indexed"
+        for i, c in self.pinned.items():
+            assert self.blocks[i].ref_cnt >= c > 0, f"pinned {self.blocks[i]} lost its reference"
+        assert len(self.pinned) <= self.max_pinned_blocks
         assert len(self.cached) == sum(b.block_hash is not None for b in self.blocks)
         free = sum(b.ref_cnt == 0 and b.block_hash is None for b in self.blocks)
         evictable = sum(b.ref_cnt == 0 and b.block_hash is not None for b in self.blocks)
         in_use = sum(b.ref_cnt > 0 for b in self.blocks)
         assert free + evictable + in_use == self.num_blocks
+        assert free == len(self.free_queue) and evictable == len(self.evictor)

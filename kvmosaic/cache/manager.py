@@ -18,7 +18,9 @@ gives the no-cache baseline) and ``RadixCacheManager`` (SGLang's radix tree, in
 
 from __future__ import annotations
 
+import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -32,6 +34,7 @@ class CacheRequest(Protocol):
     request_id: str
     cache_salt: str | None
     adapter_id: str | None
+    priority: int  # higher = kept longer under the "priority" eviction policy
 
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -56,6 +59,28 @@ class BlockCopy:
     src: int
     dst: int
     num_tokens: int
+
+
+@dataclass(frozen=True)
+class PinResult:
+    """A pinned prefix: ``num_tokens`` tokens in ``num_blocks`` blocks that no eviction
+    touches until ``unpin(pin_id)``. ``pin_id`` is None when nothing was pinned (nothing
+    cached, or ``refused`` because the pin budget would be exceeded)."""
+
+    pin_id: int | None
+    num_tokens: int
+    num_blocks: int
+    refused: bool = False
+
+
+@dataclass(frozen=True)
+class CacheSizeInfo:
+    """Invariant 2 of DESIGN.md, in blocks: ``free + evictable + in_use == total``."""
+
+    total: int
+    free: int
+    evictable: int
+    in_use: int
 
 
 @dataclass
@@ -94,6 +119,19 @@ class KVCacheManager(ABC):
 
     @abstractmethod
     def reset_prefix_cache(self) -> bool: ...
+
+    @abstractmethod
+    def pin_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, adapter_id: str | None = None
+    ) -> PinResult:
+        """Keep the cached part of this prefix from eviction (bounded by the pool's
+        ``max_pinned_blocks``)."""
+
+    @abstractmethod
+    def unpin(self, pin_id: int) -> None: ...
+
+    @abstractmethod
+    def size_info(self) -> CacheSizeInfo: ...
 
     # ---- shared mechanics ----------------------------------------------------------------
     def record_query(self, req: CacheRequest, match: MatchResult) -> None:
@@ -142,7 +180,7 @@ class KVCacheManager(ABC):
     def free(self, req: CacheRequest) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.on_free(req, blocks)
-        self.pool.free_blocks(reversed(blocks))
+        self.pool.free_blocks(reversed(blocks), getattr(req, "priority", 0))
 
     @property
     def num_running(self) -> int:
@@ -165,6 +203,8 @@ class HashCacheManager(KVCacheManager):
         self.enable_caching = enable_caching
         self.hashers: dict[str, BlockHasher] = {}
         self.num_committed: dict[str, int] = {}  # blocks already indexed, per request
+        self.pins: dict[int, list[KVBlock]] = {}
+        self._pin_ids = itertools.count(1)
 
     def hasher(self, req: CacheRequest) -> BlockHasher:
         h = self.hashers.get(req.request_id)
@@ -207,4 +247,36 @@ class HashCacheManager(KVCacheManager):
         self.num_committed.pop(req.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
-        return self.pool.reset_prefix_cache()
+        """Forget every cached block (and pin); refused while any request runs."""
+        if self.req_blocks or not self.pool.reset_prefix_cache():
+            return False
+        self.pins.clear()
+        return True
+
+    def pin_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, adapter_id: str | None = None
+    ) -> PinResult:
+        if not self.enable_caching:
+            return PinResult(None, 0, 0)
+        hasher = BlockHasher(self.seed, self.block_size, self.hash_fn, cache_salt, adapter_id)
+        bs = self.block_size
+        blocks: list[KVBlock] = []
+        for i, h in enumerate(hasher.update(token_ids)):
+            block = self.pool.get_cached_block(h, token_ids[i * bs : (i + 1) * bs])
+            if block is None:
+                break
+            blocks.append(block)
+        if not blocks:
+            return PinResult(None, 0, 0)
+        if not self.pool.pin(blocks):
+            return PinResult(None, 0, 0, refused=True)
+        pin_id = next(self._pin_ids)
+        self.pins[pin_id] = blocks
+        return PinResult(pin_id, len(blocks) * bs, len(blocks))
+
+    def unpin(self, pin_id: int) -> None:
+        self.pool.unpin(self.pins.pop(pin_id))
+
+    def size_info(self) -> CacheSizeInfo:
+        free, evictable = len(self.pool.free_queue), len(self.pool.evictor)
+        return CacheSizeInfo(self.pool.num_blocks, free, evictable, self.pool.num_blocks - free - evictable)

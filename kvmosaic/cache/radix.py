@@ -1,0 +1,178 @@
+"""The radix-tree backend: SGLang's RadixAttention behind the :class:`KVCacheManager` interface.
+
+Matches end at any token, not only at block boundaries. A match that ends inside a block
+reuses the whole blocks before it and copies the matched head of the partial block into a
+fresh block (copy-on-write, queued as a :class:`BlockCopy`), unless fewer than
+``min_cow_tokens`` tokens would be copied (then recomputing them is cheaper).
+
+Accounting (invariant 2 of DESIGN.md): tree nodes hold pool references, so a cached block
+is *in use* for the pool; :meth:`RadixCacheManager.size_info` sorts blocks into free (no
+reference), evictable (every reference is held by an unlocked tree node) and in use (held
+by a request, or by a locked or pinned node): ``free + evictable + in_use == total``. When
+the pool is short, unlocked leaves are evicted before any allocation fails.
+
+Per running request the manager keeps one lock on the deepest node its committed tokens
+reach (``anchors``); commits walk on from that node's parent, so every step, decode steps
+included, makes the generated tokens reusable (turn 2 of a chat reuses turn 1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+
+from .block_pool import BlockPool
+from .hashing import BlockHash
+from .manager import CacheRequest, CacheSizeInfo, KVCacheManager, MatchResult, PinResult
+from .radix_tree import RadixNode, RadixTree
+
+# Below this many tokens a partial block is recomputed rather than copied. Measured with
+# ``python -m kvmosaic.bench.radix_figures --cow`` (float32, CPU): copying a block's KV
+# costs about as much as recomputing ~1 token, so copying pays from the first token.
+DEFAULT_MIN_COW_TOKENS = 1
+
+
+@dataclass
+class _Anchor:
+    """A running request's lock: ``node`` (None before anything is in the tree) is the
+    deepest node reached by its first ``committed`` tokens, which the tree holds."""
+
+    node: RadixNode | None
+    committed: int
+
+
+@dataclass
+class RadixMatch(MatchResult):
+    """A :class:`MatchResult` that also names the tree node to lock while it is used."""
+
+    node: RadixNode | None = None
+
+
+class RadixCacheManager(KVCacheManager):
+    def __init__(
+        self,
+        pool: BlockPool,
+        seed: BlockHash,
+        eviction_policy: str = "lru",
+        min_cow_tokens: int = DEFAULT_MIN_COW_TOKENS,
+    ) -> None:
+        super().__init__(pool)
+        self.seed = seed
+        self.tree = RadixTree(pool, eviction_policy)
+        self.min_cow_tokens = max(1, min_cow_tokens)
+        self.anchors: dict[str, _Anchor] = {}
+        self.pins: dict[int, RadixNode] = {}
+        self.pinned_tokens: dict[int, int] = {}
+        self._pin_ids = itertools.count(1)
+        self.num_cow_copies = 0
+        self.num_cow_tokens = 0
+
+    def namespace(self, cache_salt: str | None, adapter_id: str | None) -> Hashable:
+        """One root per (model seed, salt, adapter): what separates hash chains."""
+        return (self.seed, cache_salt, adapter_id)
+
+    # ---- the cache policy ----------------------------------------------------------------
+    def match_prefix(self, req: CacheRequest) -> RadixMatch:
+        tokens = req.all_token_ids
+        tm = self.tree.match(self.namespace(req.cache_salt, req.adapter_id), tokens[: len(tokens) - 1])
+        n, blocks = tm.num_tokens, tm.blocks
+        partial = n % self.block_size
+        if 0 < partial < self.min_cow_tokens:
+            n -= partial
+            blocks = blocks[:-1]
+        return RadixMatch(blocks, n, tm.node if n else None)
+
+    def allocate_slots(
+        self, req: CacheRequest, num_total_tokens: int, match: MatchResult | None = None
+    ) -> list[int] | None:
+        rid = req.request_id
+        first = rid not in self.req_blocks
+        node = match.node if first and isinstance(match, RadixMatch) else None
+        if node is not None:
+            self.tree.lock(node)  # before evicting: the match must survive the eviction
+        need = self.num_blocks_needed(req, num_total_tokens, match if first else None)
+        if need > self.pool.num_free_blocks:
+            self.tree.evict(need - self.pool.num_free_blocks)
+        table = super().allocate_slots(req, num_total_tokens, match)
+        if not first:
+            return table
+        if table is None:
+            if node is not None:
+                self.tree.unlock(node)
+            return None
+        self.anchors[rid] = _Anchor(node, match.num_tokens if node is not None else 0)
+        if node is not None:
+            self.tree.touch_path(node, getattr(req, "priority", 0))
+        if match is not None and match.num_tokens % self.block_size:
+            self.num_cow_copies += 1
+            self.num_cow_tokens += match.num_tokens % self.block_size
+        return table
+
+    def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
+        rid = req.request_id
+        state = self.anchors[rid]
+        if num_computed_tokens <= state.committed:
+            return
+        ns = self.namespace(req.cache_salt, req.adapter_id)
+        tokens = req.all_token_ids[:num_computed_tokens]
+        anchor = state.node
+        start = anchor.parent if anchor is not None else None
+        node = self.tree.insert(ns, tokens, self.req_blocks[rid], start, owner=anchor)
+        if node is not anchor:
+            self.tree.lock(node)
+            if anchor is not None:
+                self.tree.unlock(anchor)
+        self.anchors[rid] = _Anchor(node, num_computed_tokens)
+
+    def on_free(self, req: CacheRequest, blocks: list) -> None:
+        state = self.anchors.pop(req.request_id, None)
+        if state is not None and state.node is not None:
+            self.tree.unlock(state.node)
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop the whole tree (and every pin). Refused while any request runs."""
+        if self.req_blocks or self.anchors:
+            return False
+        for pin_id in list(self.pins):
+            self.unpin(pin_id)
+        return self.tree.clear() and self.pool.reset_prefix_cache()
+
+    # ---- pinning -------------------------------------------------------------------------
+    def pin_prefix(
+        self, token_ids: Sequence[int], cache_salt: str | None = None, adapter_id: str | None = None
+    ) -> PinResult:
+        tm = self.tree.match(self.namespace(cache_salt, adapter_id), token_ids)
+        if tm.node is None or tm.num_tokens == 0:
+            return PinResult(None, 0, 0)
+        budget = self.pool.max_pinned_blocks * self.block_size
+        if sum(self.pinned_tokens.values()) + tm.num_tokens > budget:
+            return PinResult(None, 0, 0, refused=True)
+        pin_id = next(self._pin_ids)
+        self.tree.lock(tm.node)
+        self.pins[pin_id] = tm.node
+        self.pinned_tokens[pin_id] = tm.num_tokens
+        return PinResult(pin_id, tm.num_tokens, len(tm.blocks))
+
+    def unpin(self, pin_id: int) -> None:
+        self.tree.unlock(self.pins.pop(pin_id))
+        del self.pinned_tokens[pin_id]
+
+    # ---- accounting ----------------------------------------------------------------------
+    def size_info(self) -> CacheSizeInfo:
+        refs, locked = self.tree.block_refs()
+        free = evictable = 0
+        for b in self.pool.blocks:
+            if b.ref_cnt == 0:
+                free += 1
+            elif refs.get(b.block_id, 0) == b.ref_cnt and b.block_id not in locked:
+                evictable += 1
+        total = self.pool.num_blocks
+        return CacheSizeInfo(total, free, evictable, total - free - evictable)
+
+    def check_invariants(self) -> None:
+        self.pool.check_invariants()
+        self.tree.check_invariants()
+        for rid, state in self.anchors.items():
+            assert rid in self.req_blocks, f"{rid} holds a lock but no blocks"
+            assert state.node is None or state.node.lock_ref > 0
