@@ -68,10 +68,11 @@ class EngineStats:
 
 def make_cache_manager(config: EngineConfig, pool: BlockPool, seed: bytes) -> KVCacheManager:
     hash_fn = get_hash_fn(config.hash_algo)
+    pool.set_eviction_policy(config.eviction_policy)
     if config.prefix_cache == "radix":
         from ..cache.radix import RadixCacheManager
 
-        return RadixCacheManager(pool, seed, hash_fn, eviction_policy=config.eviction_policy)
+        return RadixCacheManager(pool, seed, eviction_policy=config.eviction_policy)
     return HashCacheManager(pool, seed, hash_fn, enable_caching=config.prefix_cache == "hash")
 
 
