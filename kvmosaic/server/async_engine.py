@@ -1,0 +1,188 @@
+"""One :class:`LLMEngine`, driven by one background thread, shared by many asyncio clients.
+
+Invariants:
+
+* only the engine thread touches the engine. Other threads reach it through :meth:`call`
+  (a function run between two steps, whose result or exception comes back to the caller),
+  so a request joins the running batch at the next step and a failed ``add_request``
+  changes nothing (the engine validates before it queues);
+* every request added through :meth:`add` has a :class:`RequestStream` until it finishes or
+  is aborted; its outputs arrive in order and the last one is ``finished``;
+* a client that goes away aborts its request (:meth:`abort`), which frees its blocks at the
+  next step boundary; aborting a finished or unknown request does nothing;
+* after every step and every batch of calls, ``stats`` is a fresh snapshot of the engine's
+  counters and ``on_flush`` hands the drained cache events to the publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import uuid
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from ..engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from ..engine.sampling_params import SamplingParams
+
+log = logging.getLogger("kvmosaic.server")
+
+
+class RequestAborted(Exception):
+    """The request was aborted before it finished."""
+
+
+class RequestStream:
+    """The outputs of one request, consumed by one asyncio task. Outputs are cumulative, so
+    when several are queued the consumer skips to the newest."""
+
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop) -> None:
+        self.request_id = request_id
+        self._loop = loop
+        self._queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self.finished = False
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        """Called from the engine thread."""
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        while not self.finished:
+            item = await self._queue.get()
+            while not isinstance(item, BaseException) and not item.finished and not self._queue.empty():
+                item = self._queue.get_nowait()
+            if isinstance(item, BaseException):
+                self.finished = True
+                raise item
+            self.finished = item.finished
+            yield item
+
+
+class AsyncEngine:
+    def __init__(
+        self,
+        engine: LLMEngine,
+        on_flush: Callable[[list], None] | None = None,
+        on_finish: Callable[[RequestOutput], None] | None = None,
+    ) -> None:
+        self.engine = engine
+        self.on_flush = on_flush or (lambda events: None)
+        self.on_finish = on_finish or (lambda out: None)
+        self.stats: EngineStats = engine.get_stats()
+        self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future | None]] = \
+            queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # engine thread only
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvmosaic-engine", daemon=True)
+
+    # ---- any thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping.set()
+        self._calls.put((lambda e: None, None))
+        self._thread.join(timeout=30)
+
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run ``fn(engine)`` on the engine thread between two steps; return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((fn, fut))
+        return await asyncio.wrap_future(fut)
+
+    async def add(
+        self,
+        prompt: str | list[int],
+        make_params: Callable[[int], SamplingParams],
+        cache_salt: str | None = None,
+    ) -> RequestStream:
+        """Tokenize, build the sampling parameters for the prompt's length (``make_params``
+        may raise ValueError, e.g. when the context is too short) and queue the request.
+        Errors reach the caller and leave the engine as it was."""
+        stream = RequestStream(f"req-{uuid.uuid4().hex}", asyncio.get_running_loop())
+
+        def add(engine: LLMEngine) -> None:
+            _, ids, _ = engine.tokenize(prompt)
+            params = make_params(len(ids))
+            engine.add_request(ids, params, request_id=stream.request_id, cache_salt=cache_salt)
+            self._streams[stream.request_id] = stream
+
+        try:
+            await self.call(add)
+        except asyncio.CancelledError:
+            self.abort(stream.request_id)  # the add may still run: undo it after
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Fire and forget; safe from any thread, for finished or unknown requests too."""
+        self._calls.put((lambda engine: self._abort(request_id), None))
+
+    # ---- the engine thread ---------------------------------------------------------------
+    def _abort(self, request_id: str) -> None:
+        stream = self._streams.pop(request_id, None)
+        seq = self.engine.requests.get(request_id)
+        if seq is None:
+            return
+        self.engine.abort_request(request_id)
+        self.on_finish(self.engine.make_output(seq))
+        if stream is not None:
+            stream.put(RequestAborted(f"request {request_id} was aborted"))
+
+    def _run_calls(self, block: bool) -> None:
+        try:
+            fn, fut = self._calls.get(timeout=0.5) if block else self._calls.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            try:
+                result = fn(self.engine)
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                if fut is None:
+                    log.exception("engine call failed")
+                else:
+                    fut.set_exception(exc)
+            else:
+                if fut is not None:
+                    fut.set_result(result)
+            try:
+                fn, fut = self._calls.get_nowait()
+            except queue.Empty:
+                return
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # a bug: fail the requests in flight, keep serving
+            log.exception("engine step failed; aborting %d requests", len(self._streams))
+            for request_id, stream in list(self._streams.items()):
+                stream.put(RuntimeError(f"engine error: {exc}"))
+                self._streams.pop(request_id)
+                self.engine.abort_request(request_id)
+            return
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if out.finished:
+                self._streams.pop(out.request_id, None)
+                self.on_finish(out)
+            if stream is not None:
+                stream.put(out)
+
+    def _flush(self) -> None:
+        self.stats = self.engine.get_stats()
+        events = self.engine.events.drain()
+        if events:
+            try:
+                self.on_flush(events)
+            except Exception:
+                log.exception("publishing cache events failed")
+
+    def _loop(self) -> None:
+        while not self._stopping.is_set():
+            self._run_calls(block=not self.engine.has_unfinished_requests())
+            if self.engine.has_unfinished_requests():
+                self._step()
+            self._flush()

@@ -1,0 +1,118 @@
+"""``kvmosaic serve``: load the model, then serve the OpenAI API until interrupted.
+
+Once the socket is listening it prints how to send a request (a curl line and an openai
+client snippet), so the first thing a user sees is something to paste.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+
+from ..engine.config import PREFIX_CACHES, EngineConfig
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
+
+
+def memory_size(text: str) -> int:
+    """``1073741824``, ``1G``, ``512MiB``, ``1.5GB`` -> bytes (powers of 1024)."""
+    m = SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1G or 512M)")
+    return int(float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower()))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    e = p.add_argument_group("engine")
+    e.add_argument("--model", default=None, help="GGUF file or safetensors folder (default: the shipped model)")
+    e.add_argument("--served-model-name", default=None, help="name clients use (default: the model's)")
+    e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--device", default="auto")
+    e.add_argument("--prefix-cache", default="hash", choices=PREFIX_CACHES)
+    e.add_argument("--block-size", type=int, default=16)
+    e.add_argument("--kv-cache-memory", type=memory_size, default=memory_size("1G"), help="KV pool size, e.g. 1G")
+    e.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
+    e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--max-num-seqs", type=int, default=64)
+    e.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"])
+    e.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", action="append", default=[], help="require this bearer token (repeatable)")
+    s.add_argument("--api-key-salt", default=None, metavar="SECRET",
+                   help="derive each request's cache salt from its API key: HMAC-SHA256(SECRET, key)")
+    s.add_argument("--max-body-bytes", type=memory_size, default=memory_size("1M"))
+    s.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ",
+                   help="publish cache events on this ZeroMQ PUB endpoint, e.g. tcp://*:5557")
+    s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ", help="e.g. tcp://*:5558")
+    s.add_argument("--kv-events-topic", default="")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def banner(url: str, model: str, events: str | None) -> str:
+    curl = (f"curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\\n"
+            f"    -d '{{\"messages\": [{{\"role\": \"user\", \"content\": \"Say hello in French.\"}}], "
+            f"\"max_tokens\": 32}}'")
+    client = (f"from openai import OpenAI\n"
+              f"client = OpenAI(base_url=\"{url}/v1\", api_key=\"unused\")\n"
+              f"r = client.chat.completions.create(model=\"{model}\", max_tokens=32,\n"
+              f"    messages=[{{\"role\": \"user\", \"content\": \"Say hello in French.\"}}])\n"
+              f"print(r.choices[0].message.content, r.usage.prompt_tokens_details.cached_tokens)")
+    lines = [f"kvmosaic is serving {model} at {url} (OpenAI API under /v1)", "", "Send it a request:", "",
+             "  " + curl.replace("\n", "\n  "), "", "or, in Python:", "", "  " + client.replace("\n", "\n  "), "",
+             f"Metrics: {url}/metrics   health and KV pool: {url}/health"]
+    if events:
+        lines.append(f"Cache events: ZeroMQ PUB on {events}")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from ..engine.llm_engine import LLMEngine
+    from .app import build_app
+    from .async_engine import AsyncEngine
+    from .events import ZmqEventPublisher
+    from .metrics import ServerMetrics
+    from .tenancy import TenantPolicy
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    config = EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
+        kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache=args.prefix_cache,
+        scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
+        enable_kv_events=args.kv_events_endpoint is not None)
+    print(f"loading {args.model or 'the shipped model'} ({args.dtype}) ...", flush=True)
+    engine = LLMEngine(config)
+    model_name = args.served_model_name or engine.model_name
+    publisher = None
+    if args.kv_events_endpoint:
+        publisher = ZmqEventPublisher(args.kv_events_endpoint, args.kv_events_topic, args.kv_events_replay_endpoint)
+    async_engine = AsyncEngine(engine, on_flush=publisher.publish if publisher else None)
+    metrics = ServerMetrics(lambda: async_engine.stats, model_name)
+    async_engine.on_finish = metrics.on_finish
+    tenants = TenantPolicy(frozenset(args.api_key),
+                           args.api_key_salt.encode() if args.api_key_salt else None)
+    app = build_app(async_engine, model_name, metrics, tenants, args.max_body_bytes)
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                host, port = self.servers[0].sockets[0].getsockname()[:2]
+                host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+                print("\n" + banner(f"http://{host}:{port}", model_name, args.kv_events_endpoint) + "\n", flush=True)
+
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   timeout_graceful_shutdown=5))
+    try:
+        server.run()
+    finally:
+        if publisher is not None:
+            publisher.close()
+    return 0 if server.started else 1

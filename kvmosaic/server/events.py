@@ -1,0 +1,230 @@
+"""Cache events on the wire, as vLLM sends its KV events, and a subscriber for routers.
+
+Why ZeroMQ PUB/SUB: it is what vLLM uses, so routers that follow vLLM replicas (llm-d's KV
+cache indexer, Dynamo's router) can follow ours; it needs no broker to run (no Redis, no
+Kafka); any number of routers may subscribe; and publishing never blocks the engine: a slow
+subscriber past the high-water mark loses messages instead of stalling decoding. Losses are
+visible, because each message carries a sequence number, and repairable, because the
+publisher keeps recent batches and replays them on request (a ROUTER socket, as vLLM does).
+
+A message is three frames: ``topic``, an 8-byte big-endian sequence number, and a msgpack
+:class:`KVEventBatch` (msgspec structs encoded as arrays, events tagged by class name: the
+same layout as ``vllm.distributed.kv_events``). Replay: send one frame, the 8-byte first
+sequence number wanted, to the replay endpoint; the answer is ``(seq, payload)`` pairs from
+there on, then ``(-1, b"")``.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+
+import msgspec
+import zmq
+
+from ..cache import events as cache_events
+
+log = logging.getLogger("kvmosaic.server")
+END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | str | None
+    medium: str | None
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[bytes]
+    medium: str | None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+def to_wire(event: cache_events.KVCacheEvent) -> KVCacheEvent:
+    if isinstance(event, cache_events.BlockStored):
+        return BlockStored(list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
+                           event.block_size, event.lora_id, event.medium)
+    if isinstance(event, cache_events.BlockRemoved):
+        return BlockRemoved(list(event.block_hashes), event.medium)
+    if isinstance(event, cache_events.AllBlocksCleared):
+        return AllBlocksCleared()
+    raise TypeError(f"not a cache event: {event!r}")
+
+
+class ZmqEventPublisher:
+    """Publishes batches from its own thread, which owns both sockets (ZeroMQ sockets are not
+    thread-safe); :meth:`publish` only enqueues, so the engine thread never waits on I/O.
+    Sequence numbers start at 0 and grow by one per batch, with no gaps at the source."""
+
+    def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None,
+                 buffer_batches: int = 10_000, hwm: int = 100_000) -> None:
+        self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic.encode()
+        self._ctx = zmq.Context.instance()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._pub.bind(endpoint)
+        self._replay = None
+        if replay_endpoint:
+            self._replay = self._ctx.socket(zmq.ROUTER)
+            self._replay.bind(replay_endpoint)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
+        self._pending: queue.SimpleQueue[list | None] = queue.SimpleQueue()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._seq = 0
+        self._thread = threading.Thread(target=self._run, name="kvmosaic-events", daemon=True)
+        self._thread.start()
+
+    def publish(self, events: list[cache_events.KVCacheEvent]) -> None:
+        if events:
+            self._pending.put(events)
+
+    def close(self) -> None:
+        self._pending.put(None)
+        self._thread.join(timeout=5)
+
+    def _send(self, events: list) -> None:
+        payload = self._encoder.encode(KVEventBatch(time.time(), [to_wire(e) for e in events]))
+        seq = self._seq.to_bytes(8, "big", signed=True)
+        try:
+            self._pub.send_multipart((self.topic, seq, payload), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("cache event batch %d dropped (high-water mark)", self._seq)
+        self._buffer.append((self._seq, payload))
+        self._seq += 1
+
+    def _serve_replay(self) -> None:
+        while self._replay is not None and self._replay.poll(0):
+            client, *frames = self._replay.recv_multipart()
+            start = int.from_bytes(frames[-1], "big", signed=True) if frames and len(frames[-1]) == 8 else 0
+            for seq, payload in self._buffer:
+                if seq >= start:
+                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big", signed=True), payload))
+            self._replay.send_multipart((client, b"", END_OF_REPLAY, b""))
+
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    events = self._pending.get(timeout=0.05)
+                except queue.Empty:
+                    events = []
+                if events is None:
+                    return
+                if events:
+                    self._send(events)
+                self._serve_replay()
+        finally:
+            self._pub.close(linger=0)
+            if self._replay is not None:
+                self._replay.close(linger=0)
+
+
+class KVEventSubscriber:
+    """Follows one replica's cache events, for a router.
+
+    ``recv()`` returns the next ``(seq, batch)`` in order. When sequence numbers jump (messages
+    lost on the way) and a replay endpoint is known, the missing batches are fetched first;
+    without one, ``gaps`` counts what was lost, and the caller should treat its view of the
+    replica as stale. :class:`CachedBlocks` turns the batches into a set of block hashes.
+    """
+
+    def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
+        self._ctx = zmq.Context.instance()
+        self._sub = self._ctx.socket(zmq.SUB)
+        self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
+        self._sub.connect(endpoint)
+        self.replay_endpoint = replay_endpoint
+        self._decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        self._ready: deque[tuple[int, KVEventBatch]] = deque()
+        self.next_seq: int | None = None
+        self.gaps = 0
+
+    def recv(self, timeout: float | None = None) -> tuple[int, KVEventBatch] | None:
+        """The next batch, or None when none arrived within ``timeout`` seconds."""
+        if not self._ready:
+            if not self._sub.poll(None if timeout is None else int(timeout * 1000)):
+                return None
+            _, seq_bytes, payload = self._sub.recv_multipart()
+            seq = int.from_bytes(seq_bytes, "big", signed=True)
+            if self.next_seq is not None and seq > self.next_seq:
+                self._fill(self.next_seq, seq)
+            if self.next_seq is None or seq >= self.next_seq:
+                self._ready.append((seq, self._decoder.decode(payload)))
+        seq, batch = self._ready.popleft()
+        self.next_seq = seq + 1
+        return seq, batch
+
+    def _fill(self, start: int, stop: int) -> None:
+        got = self.replay(start, stop) if self.replay_endpoint else []
+        self.gaps += (stop - start) - len(got)
+        self._ready.extend(got)
+
+    def replay(self, start: int, stop: int | None = None, timeout: float = 5.0) -> list[tuple[int, KVEventBatch]]:
+        """Batches ``start <= seq < stop`` that the publisher still holds."""
+        sock = self._ctx.socket(zmq.DEALER)
+        sock.connect(self.replay_endpoint)
+        out = []
+        try:
+            sock.send_multipart((b"", start.to_bytes(8, "big", signed=True)))
+            while sock.poll(int(timeout * 1000)):
+                _, seq_bytes, payload = sock.recv_multipart()
+                seq = int.from_bytes(seq_bytes, "big", signed=True)
+                if seq < 0:
+                    break
+                if stop is None or seq < stop:
+                    out.append((seq, self._decoder.decode(payload)))
+        finally:
+            sock.close(linger=0)
+        return out
+
+    def close(self) -> None:
+        self._sub.close(linger=0)
+
+
+class CachedBlocks:
+    """What one replica holds, as a router sees it: block hash -> parent hash."""
+
+    def __init__(self) -> None:
+        self.parent: dict[bytes, bytes | None] = {}
+
+    def apply(self, batch: KVEventBatch) -> None:
+        for ev in batch.events:
+            if isinstance(ev, BlockStored):
+                parent = ev.parent_block_hash
+                for h in ev.block_hashes:
+                    self.parent[h] = parent
+                    parent = h
+            elif isinstance(ev, BlockRemoved):
+                for h in ev.block_hashes:
+                    self.parent.pop(h, None)
+            else:
+                self.parent.clear()
+
+    def prefix_hits(self, chain: list[bytes]) -> int:
+        """How many leading blocks of a request's hash chain this replica holds."""
+        n = 0
+        while n < len(chain) and chain[n] in self.parent:
+            n += 1
+        return n
+
+    def __len__(self) -> int:
+        return len(self.parent)

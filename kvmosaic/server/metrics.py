@@ -1,0 +1,94 @@
+"""Prometheus metrics named as vLLM names them, with ``kvmosaic:`` in place of ``vllm:``.
+
+A dashboard built for vLLM carries over by replacing the prefix:
+
+=====================================================  =======================================
+``kvmosaic:prefix_cache_queries_total``                prompt tokens looked up in the cache
+``kvmosaic:prefix_cache_hits_total``                   of those, tokens found (a hit rate is
+                                                       ``hits / queries``)
+``kvmosaic:kv_cache_usage_perc``                       fraction of blocks in use (0 to 1)
+``kvmosaic:num_requests_running`` / ``_waiting``       scheduler queues
+``kvmosaic:num_preemptions_total``                     preemptions (by recompute)
+``kvmosaic:prompt_tokens_total``                       prompt tokens of requests that started
+``kvmosaic:generation_tokens_total``                   tokens generated
+``kvmosaic:request_success_total{finished_reason}``    finished requests: stop, length, abort
+``kvmosaic:time_to_first_token_seconds``               histogram
+``kvmosaic:e2e_request_latency_seconds``               histogram
+=====================================================  =======================================
+
+and our own: ``kvmosaic:kv_cache_num_blocks``, ``kvmosaic:kv_cache_free_blocks`` (free or
+evictable), ``kvmosaic:kv_cache_cached_blocks`` (indexed) and ``kvmosaic:kv_cache_evictions_total``. Counters and gauges are read at scrape time from the
+engine's latest stats snapshot, so they cannot drift from what the engine counts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from ..engine.llm_engine import EngineStats, RequestOutput
+
+PREFIX = "kvmosaic:"
+TTFT_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0)
+
+
+class EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.stats = stats
+        self.model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        st, labels = self.stats(), [self.model_name]
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            m.add_metric(labels, value)
+            return m
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            m = GaugeMetricFamily(PREFIX + name, doc, labels=["model_name"])
+            m.add_metric(labels, value)
+            return m
+
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", st.prefix_cache_queries)
+        yield counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", st.prefix_cache_hits)
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", st.kv_cache_usage)
+        yield gauge("num_requests_running", "Requests in the running batch.", st.num_running)
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", st.num_waiting)
+        yield counter("num_preemptions", "Requests preempted (their KV freed and recomputed).", st.num_preemptions)
+        yield counter("prompt_tokens", "Prompt tokens of requests that produced a first token.", st.prompt_tokens)
+        yield counter("generation_tokens", "Generated tokens.", st.generation_tokens)
+        yield counter("kv_cache_evictions", "Cached blocks evicted to make room.", st.num_evictions)
+        yield gauge("kv_cache_num_blocks", "KV blocks in the pool.", st.num_blocks)
+        yield gauge("kv_cache_free_blocks", "KV blocks not in use (truly free or evictable).", st.num_free_blocks)
+        yield gauge("kv_cache_cached_blocks", "KV blocks in the content index (in use or evictable).",
+                    st.num_cached_blocks)
+
+
+class ServerMetrics:
+    """The registry behind ``/metrics``: engine counters plus per-request observations."""
+
+    def __init__(self, stats: Callable[[], EngineStats], model_name: str) -> None:
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        self.registry.register(EngineCollector(stats, model_name))
+        self.request_success = Counter(PREFIX + "request_success", "Finished requests, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=self.registry)
+        self.ttft = Histogram(PREFIX + "time_to_first_token_seconds", "Time to first token.", ["model_name"],
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.", ["model_name"],
+                             buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def on_finish(self, out: RequestOutput) -> None:
+        """Called once per request, from the engine thread, when it finishes or is aborted."""
+        self.request_success.labels(self.model_name, out.finish_reason or "abort").inc()
+        if out.finish_reason == "abort":
+            return
+        if out.metrics.get("ttft") is not None:
+            self.ttft.labels(self.model_name).observe(out.metrics["ttft"])
+        if out.metrics.get("e2e") is not None:
+            self.e2e.labels(self.model_name).observe(out.metrics["e2e"])

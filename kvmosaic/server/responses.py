@@ -1,0 +1,109 @@
+"""Response bodies of the OpenAI API, built from the engine's :class:`RequestOutput`.
+
+``usage.prompt_tokens_details.cached_tokens`` is in every usage object: the prompt tokens
+whose KV came from the prefix cache instead of being computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ..engine.llm_engine import RequestOutput
+
+Decode = Callable[[int], str]
+
+
+def usage(out: RequestOutput) -> dict:
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+
+
+class TextDelta:
+    """Turns cumulative texts into increments that never have to be taken back.
+
+    While a request runs, two tails are held back: a trailing U+FFFD (a character whose bytes
+    are not all generated yet; it becomes another character later) and the last
+    ``len(longest stop string) - 1`` characters (they may be the start of a stop string,
+    which the engine cuts from the text). The finished text is sent in full.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.sent = 0
+
+    def next(self, text: str, finished: bool) -> str:
+        end = len(text)
+        if not finished:
+            end -= self.hold
+            while end > 0 and text[end - 1] == "\ufffd":
+                end -= 1
+        if end <= self.sent:
+            return ""
+        delta, self.sent = text[self.sent:end], end
+        return delta
+
+
+def completion_logprobs(out: RequestOutput, start: int, decode: Decode, offset: int) -> dict | None:
+    """OpenAI's legacy shape for tokens ``start:`` of the output; ``offset`` is the text
+    offset of the first of them."""
+    if out.logprobs is None:
+        return None
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for tid, lps in zip(out.token_ids[start:], out.logprobs[start:]):
+        text = decode(tid)
+        tokens.append(text)
+        token_lps.append(lps.get(tid))
+        tops.append({decode(t): lp for t, lp in lps.items()})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(out: RequestOutput, start: int, decode: Decode, top: int) -> dict | None:
+    if out.logprobs is None:
+        return None
+
+    def entry(tid: int, lp: float) -> dict:
+        text = decode(tid)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    content = []
+    for tid, lps in zip(out.token_ids[start:], out.logprobs[start:]):
+        ranked = sorted(lps.items(), key=lambda kv: -kv[1])[:top]
+        content.append({**entry(tid, lps[tid]), "top_logprobs": [entry(t, lp) for t, lp in ranked]})
+    return {"content": content}
+
+
+def finish_reason(out: RequestOutput) -> str | None:
+    return out.finish_reason if out.finished else None
+
+
+def completion_body(rid: str, created: int, model: str, out: RequestOutput, logprobs: dict | None) -> dict:
+    choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+              "stop_reason": out.stop_reason}
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage(out)}
+
+
+def chat_body(rid: str, created: int, model: str, out: RequestOutput, logprobs: dict | None) -> dict:
+    choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+    return {"id": rid, "object": "chat.completion", "created": created, "model": model,
+            "choices": [choice], "usage": usage(out)}
+
+
+def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None,
+                     logprobs: dict | None) -> dict:
+    return {"id": rid, "object": "text_completion", "created": created, "model": model,
+            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None,
+               logprobs: dict | None) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+
+
+def usage_chunk(rid: str, created: int, model: str, obj: str, out: RequestOutput) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(out)}

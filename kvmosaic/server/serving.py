@@ -1,0 +1,186 @@
+"""``/v1/completions`` and ``/v1/chat/completions``: validate, queue, answer or stream.
+
+Order of checks, each failing before the engine is touched: the API key (401), the body
+(UTF-8, JSON, schema: 400), the model name (404), the prompt against the context and the
+sampling parameters (400, on the engine thread, where ``add_request`` validates before it
+queues). A request that passed them runs until it finishes or its client goes away; either
+way it leaves no block in use.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.types import Receive, Scope, Send
+
+from ..engine.llm_engine import RequestOutput
+from ..engine.sampling_params import SamplingParams
+from . import responses as R
+from .async_engine import AsyncEngine, RequestAborted, RequestStream
+from .errors import APIError, error_body, from_validation_error
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .tenancy import TenantPolicy
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    body = await request.body()
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})")
+    if not text.strip():
+        raise APIError(400, "the request body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(text)
+    except ValidationError as e:
+        raise from_validation_error(e) from None
+
+
+def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int, max_model_len: int,
+                    logprobs: int | None, prompt_param: str) -> SamplingParams:
+    """vLLM's rule: prompt plus requested tokens must fit the context; with no max_tokens
+    the request may use whatever the prompt leaves."""
+    room = max_model_len - num_prompt
+    if num_prompt == 0:
+        raise APIError(400, "the prompt is empty", prompt_param)
+    if room < 1:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt "
+                            f"has {num_prompt}, leaving no room for a completion", prompt_param)
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
+                            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
+                            f"{max_tokens} in the completion); lower max_tokens to at most {room}",
+                       "max_tokens")
+    try:
+        return SamplingParams(
+            max_tokens=room if max_tokens is None else max_tokens, temperature=req.temperature,
+            top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop_list,
+            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
+            include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs)
+    except ValueError as e:
+        raise APIError(400, str(e)) from None
+
+
+class AbortOnClose(StreamingResponse):
+    """A stream that aborts its engine request however it ends (finished: a no-op)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+class OpenAIServing:
+    def __init__(self, engine: AsyncEngine, model_name: str, tenants: TenantPolicy) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.tenants = tenants
+        self.max_model_len = engine.engine.max_model_len
+        self.tokenizer = engine.engine.tokenizer
+
+    def decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    async def completions(self, request: Request):
+        token = self.tenants.authenticate(request.headers.get("authorization"))
+        req: CompletionRequest = await parse_body(request, CompletionRequest)
+        return await self._serve(request, req, token, req.single_prompt, req.max_tokens, req.logprobs, "prompt",
+                                 chat=False)
+
+    async def chat(self, request: Request):
+        token = self.tenants.authenticate(request.headers.get("authorization"))
+        req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        try:
+            prompt = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
+                                                        tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (e.g. role order) raise here
+            raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None
+        top = (req.top_logprobs or 0) if req.logprobs else None
+        return await self._serve(request, req, token, prompt, req.max_new_tokens, top, "messages", chat=True)
+
+    async def _serve(self, request: Request, req: SamplingFields, token: str | None, prompt: str | list[int],
+                     max_tokens: int | None, logprobs: int | None, prompt_param: str, chat: bool):
+        if req.model is not None and req.model != self.model_name:
+            raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
+                                f"{self.model_name!r}", "model", "model_not_found")
+        salt = self.tenants.cache_salt(token, req.cache_salt)
+
+        def make_params(num_prompt: int) -> SamplingParams:
+            return sampling_params(req, max_tokens, num_prompt, self.max_model_len, logprobs, prompt_param)
+
+        try:
+            stream = await self.engine.add(prompt, make_params, salt)
+        except ValueError as e:
+            raise APIError(400, str(e), prompt_param) from None
+        rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        if req.stream:
+            events = self._stream(stream, req, rid, created, logprobs, chat)
+            return AbortOnClose(events, lambda: self.engine.abort(stream.request_id))
+        out = await self._collect(request, stream)
+        if chat:
+            lps = R.chat_logprobs(out, 0, self.decode, logprobs or 0) if logprobs is not None else None
+            return JSONResponse(R.chat_body(rid, created, self.model_name, out, lps))
+        lps = R.completion_logprobs(out, 0, self.decode, 0) if logprobs is not None else None
+        return JSONResponse(R.completion_body(rid, created, self.model_name, out, lps))
+
+    async def _collect(self, request: Request, stream: RequestStream) -> RequestOutput:
+        """The final output; aborts the request if the client goes away first."""
+        try:
+            async for out in stream:
+                if out.finished:
+                    return out
+                if await request.is_disconnected():
+                    break
+        except RequestAborted:
+            pass
+        finally:
+            if not stream.finished:
+                self.engine.abort(stream.request_id)
+        raise APIError(499, "the client closed the connection")
+
+    async def _stream(self, stream: RequestStream, req: SamplingFields, rid: str, created: int,
+                      logprobs: int | None, chat: bool) -> AsyncIterator[str]:
+        opts = req.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(opts and opts.continuous_usage_stats)
+        text, sent_tokens, out = R.TextDelta(req.stop_list), 0, None
+        if chat:
+            yield sse(R.chat_chunk(rid, created, self.model_name, {"role": "assistant", "content": ""}, None, None))
+        try:
+            async for out in stream:
+                delta = text.next(out.text, out.finished)
+                if not delta and not out.finished and logprobs is None:
+                    continue
+                if chat:
+                    lps = R.chat_logprobs(out, sent_tokens, self.decode, logprobs or 0) if logprobs is not None else None
+                    body = R.chat_chunk(rid, created, self.model_name, {"content": delta} if delta else {},
+                                        R.finish_reason(out), lps)
+                else:
+                    lps = R.completion_logprobs(out, sent_tokens, self.decode, text.sent - len(delta)) \
+                        if logprobs is not None else None
+                    body = R.completion_chunk(rid, created, self.model_name, delta, R.finish_reason(out), lps)
+                sent_tokens = len(out.token_ids)
+                if include_usage:
+                    body["usage"] = R.usage(out) if continuous else None
+                yield sse(body)
+        except (RequestAborted, RuntimeError) as e:
+            yield sse(error_body(500, str(e)))
+        if include_usage and out is not None:
+            yield sse(R.usage_chunk(rid, created, self.model_name,
+                                    "chat.completion.chunk" if chat else "text_completion", out))
+        yield sse("[DONE]")
