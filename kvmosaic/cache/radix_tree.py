@@ -113,6 +113,7 @@ class RadixTree:
         node = self.roots.get(namespace)
         if node is None:
             return TreeMatch(None)
+        tokens = tokens if isinstance(tokens, list) else list(tokens)  # list == tuple is False
         table: list[KVBlock] = []
         pos, n, bs = 0, len(tokens), self.bs
         while pos < n:
@@ -145,6 +146,7 @@ class RadixTree:
         ``owner`` is the node the caller alone holds locked: if it is the leaf where the walk
         ends and its last block is the request's, it grows in place instead of chaining
         one-token children (the decode case)."""
+        tokens = tokens if isinstance(tokens, list) else list(tokens)
         node = from_node or self.roots.get(namespace)
         if node is None:
             node = self.roots[namespace] = RadixNode([], 0, None, namespace)
