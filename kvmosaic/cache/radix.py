@@ -118,7 +118,7 @@ class RadixCacheManager(KVCacheManager):
         tokens = req.all_token_ids[:num_computed_tokens]
         anchor = state.node
         start = anchor.parent if anchor is not None else None
-        node = self.tree.insert(ns, tokens, self.req_blocks[rid], start, owner=anchor)
+        node = self.tree.insert(ns, tokens, self.req_blocks[rid], start, anchor, getattr(req, "priority", 0))
         if node is not anchor:
             self.tree.lock(node)
             if anchor is not None:

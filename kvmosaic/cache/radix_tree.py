@@ -138,6 +138,7 @@ class RadixTree:
         blocks: Sequence[KVBlock],
         from_node: RadixNode | None = None,
         owner: RadixNode | None = None,
+        priority: int = 0,
     ) -> RadixNode:
         """Make ``tokens`` (whose KV the request's ``blocks`` hold) a path of the tree and
         return the deepest node reached (it may extend past ``tokens``). The walk starts at
@@ -145,7 +146,7 @@ class RadixTree:
         blocks (the first copy stays canonical); new nodes reference the request's blocks.
         ``owner`` is the node the caller alone holds locked: if it is the leaf where the walk
         ends and its last block is the request's, it grows in place instead of chaining
-        one-token children (the decode case)."""
+        one-token children (the decode case). New tokens get the request's ``priority``."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         node = from_node or self.roots.get(namespace)
         if node is None:
@@ -155,9 +156,9 @@ class RadixTree:
             child = node.children.get(tokens[pos])
             if child is None:
                 if node is owner and self._can_extend(node, blocks):
-                    self._extend(node, tokens[pos:n], blocks)
+                    self._extend(node, tokens[pos:n], blocks, priority)
                     return node
-                return self._add_leaf(node, tokens[pos:n], blocks)
+                return self._add_leaf(node, tokens[pos:n], blocks, priority)
             c = _common_len(child.key, tokens[pos : pos + len(child.key)])
             if c < len(child.key) and pos + c < n:
                 child = self._split(child, c)
@@ -174,19 +175,22 @@ class RadixTree:
         idx = (node.end - 1) // self.bs
         return idx < len(blocks) and node.blocks[-1] is blocks[idx]
 
-    def _extend(self, node: RadixNode, run: Sequence[int], blocks: Sequence[KVBlock]) -> None:
+    def _extend(self, node: RadixNode, run: Sequence[int], blocks: Sequence[KVBlock], priority: int) -> None:
         old_end = node.end
         node.key.extend(run)
         new = list(blocks[_ceil_div(old_end, self.bs) : _ceil_div(node.end, self.bs)])
         self.pool.touch(new)
         node.blocks.extend(new)
         node.last_access = next(self._clock)
+        node.priority = max(node.priority, priority)
         if node.lock_ref:
             self.protected_size += len(run)
         else:
             self.evictable_size += len(run)
 
-    def _add_leaf(self, parent: RadixNode, run: Sequence[int], blocks: Sequence[KVBlock]) -> RadixNode:
+    def _add_leaf(
+        self, parent: RadixNode, run: Sequence[int], blocks: Sequence[KVBlock], priority: int
+    ) -> RadixNode:
         leaf = RadixNode(list(run), parent.end, parent, parent.namespace)
         leaf.blocks = list(blocks[leaf.start // self.bs : _ceil_div(leaf.end, self.bs)])
         if len(leaf.blocks) != _ceil_div(leaf.end, self.bs) - leaf.start // self.bs:
@@ -194,6 +198,7 @@ class RadixTree:
         self.pool.touch(leaf.blocks)
         leaf.last_access = next(self._clock)
         leaf.hits = 1
+        leaf.priority = priority
         parent.children[run[0]] = leaf
         self.evictable_size += len(run)
         return leaf
