@@ -29,6 +29,12 @@ class EngineConfig:
     eviction_policy: str = "lru"
     enable_kv_events: bool = False
     num_threads: int | None = None
+    # Segment reuse (issue 6): "off" | "shift" (re-position only) | "blend" (+ selective recompute)
+    segment_reuse: str = "off"
+    blend_ratio: float = 0.15  # fraction of reused segment tokens recomputed
+    blend_threshold: float | None = None  # if set: recompute tokens deviating more (overrides ratio)
+    blend_check_layer: int = 1  # the early layer whose KV deviation picks tokens
+    segment_cache_memory: int = 256 << 20  # bytes for stored segment KV (LRU)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -44,6 +50,9 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
+        from ..blend.blender import BlendOptions  # validates the segment reuse fields
+
+        BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer)
 
     @property
     def torch_dtype(self) -> torch.dtype:

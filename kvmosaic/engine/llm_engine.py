@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..blend import SegmentedPrompt, parse_segment_prompt
+from ..blend.engine_hook import SegmentReuse
 from ..cache.block_pool import BlockPool
 from ..cache.events import EventLog
 from ..cache.hashing import get_hash_fn, make_seed
@@ -16,7 +18,7 @@ from ..kv.paged import PagedKVCache
 from ..model import build_model, load_weights
 from ..model.tokenizer import load_tokenizer
 from .config import EngineConfig
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepResult
 from .sampler import sample, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -104,6 +106,7 @@ class LLMEngine:
             self.cache,
         )
         self.runner = ModelRunner(self.model, self.kv)
+        self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint)
         self.eos_token_id = self.tokenizer.eos_token_id
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
@@ -113,7 +116,12 @@ class LLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
     def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], str | None]:
-        """A prompt is text, token ids, or ``{"prompt": text-or-ids, "cache_salt": str}``."""
+        """A prompt is text, token ids, or ``{"prompt": text-or-ids, "cache_salt": str}``,
+        or ``{"prompt": head, "segments": [doc, ...], "suffix": tail}`` (see blend/prompt.py)."""
+        if isinstance(prompt, dict) and "segments" in prompt:
+            prompt = parse_segment_prompt(self.tokenizer, prompt)
+        if isinstance(prompt, SegmentedPrompt):
+            return prompt.text, prompt.token_ids, prompt.cache_salt
         salt = None
         if isinstance(prompt, dict):
             unknown = set(prompt) - {"prompt", "prompt_token_ids", "cache_salt"}
@@ -140,7 +148,8 @@ class LLMEngine:
     ) -> Sequence:
         """Validate and queue a request; raises ValueError (changing nothing) on bad input."""
         params = params or SamplingParams()
-        text, ids, salt = self.tokenize(prompt)
+        segmented = parse_segment_prompt(self.tokenizer, prompt) if isinstance(prompt, dict) and "segments" in prompt else None
+        text, ids, salt = self.tokenize(segmented or prompt)
         salt = cache_salt if cache_salt is not None else salt
         if not ids:
             raise ValueError("the prompt is empty")
@@ -155,6 +164,8 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, text, ids, params, salt, adapter_id, priority)
+        if segmented is not None and segmented.spans and self.segment_reuse.enabled:
+            seq.segments = segmented.spans
         self.requests[request_id] = seq
         self.scheduler.add(seq)
         return seq
@@ -178,7 +189,11 @@ class LLMEngine:
         if copies:
             self.kv.copy_blocks([(c.src, c.dst, c.num_tokens) for c in copies])
         batch = [(s, self.cache.block_table(s.seq.request_id)) for s in sched.scheduled]
-        result = self.runner.execute(batch)
+        batch, blend = self.segment_reuse.split(batch, self.cache) if self.segment_reuse.enabled else (batch, [])
+        result = self.runner.execute(batch) if batch else StepResult(torch.empty(0, self.model_config.vocab_size, device=self.device), [])
+        if blend:  # segment reuse: one blend forward per newly admitted segmented prompt
+            result = StepResult(torch.cat((result.logits, self.segment_reuse.run(blend, self.cache))),
+                                result.sampling + [s for s, _ in blend])
         self.scheduler.update(sched)
         return self._process_samples(sched, result)
 
@@ -237,6 +252,7 @@ class LLMEngine:
             text=seq.output_text,
             token_ids=list(seq.output_token_ids),
             num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_segment_tokens=seq.num_segment_tokens,
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

@@ -144,7 +144,7 @@ class Scheduler:
         """Advance progress for the tokens whose KV was written, and index it."""
         for s in out.scheduled:
             s.seq.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(s.seq, s.seq.num_computed_tokens)
+            self.kv.commit(s.seq, s.seq.num_cacheable_tokens)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         seq.status = SequenceStatus.FINISHED

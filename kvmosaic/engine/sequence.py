@@ -42,6 +42,11 @@ class Sequence:
     stop_reason: str | int | None = None
     output_text: str = ""
     generator: torch.Generator | None = None
+    # Segment reuse: spans still to blend (None: ordinary prefill), tokens served from the
+    # segment store, and how many leading tokens are exact enough to index as a prefix.
+    segments: tuple | None = None
+    num_segment_tokens: int = 0
+    cache_limit: int | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -59,6 +64,12 @@ class Sequence:
     @property
     def num_uncomputed(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_cacheable_tokens(self) -> int:
+        """Computed tokens whose KV is exact, so the prefix cache may index them."""
+        n = self.num_computed_tokens
+        return n if self.cache_limit is None else min(n, self.cache_limit)
 
     @property
     def is_prefill(self) -> bool:

@@ -1,0 +1,71 @@
+"""The engine's side of segment reuse: which scheduled sequences get a blend forward, and
+running it for them.
+
+A sequence takes part when it was added with segments while a mode other than ``off`` was
+set (``seq.segments`` holds its spans), on the step that admits it. Its whole prompt's blocks
+are then allocated through the normal cache manager, one blend forward writes the final KV
+of every prompt token, and the sequence decodes like any other from the next step on. If the
+pool cannot supply the blocks, the sequence simply continues as an ordinary (exact) prefill.
+
+Blended KV is approximate, so it must never be served as an exact prefix hit: the sequence's
+``cache_limit`` stops the prefix cache from indexing anything past its exact head.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..cache.segments import segment_namespace
+from ..kv.paged import PagedKVCache
+from ..model.llama import LlamaForCausalLM
+from .blender import BlendOptions, Blender
+from .store import SegmentKVStore
+
+
+class SegmentReuse:
+    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, config, model_fingerprint: str) -> None:
+        self.config = config  # the EngineConfig; read on every use, so changes apply at once
+        self.kv = kv
+        self.store = SegmentKVStore(config.segment_cache_memory, segment_namespace(model_fingerprint, config.dtype))
+        self.blender = Blender(model, kv, self.store)
+        self.selection = "deviation"  # "random": the baseline that deviation scores must beat
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.segment_reuse != "off"
+
+    def options(self) -> BlendOptions:
+        c = self.config
+        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, self.selection)
+
+    def split(self, batch: list, cache) -> tuple[list, list]:
+        """Partition a step's (scheduled sequence, block table) pairs into (ordinary, blend).
+        A blend sequence has its whole prompt's blocks allocated here."""
+        plain, blend = [], []
+        for s, table in batch:
+            seq = s.seq
+            if seq.segments is not None and cache.allocate_slots(seq, seq.num_tokens) is not None:
+                blend.append((s, table))
+            else:
+                seq.segments = None
+                plain.append((s, table))
+        return plain, blend
+
+    def run(self, blend: list, cache) -> torch.Tensor:
+        """Blend each sequence's prompt; returns their last-token logits ``[len(blend), V]``.
+        Sets ``num_new_tokens`` so that the scheduler's update completes the prompt."""
+        opts, rows = self.options(), []
+        bs = self.kv.block_size
+        for s, _ in blend:
+            seq = s.seq
+            table = torch.tensor(cache.block_table(seq.request_id), dtype=torch.long)
+            slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[: seq.num_tokens]
+            start = seq.num_computed_tokens
+            res = self.blender.prefill(seq.all_token_ids, seq.segments, slots, start, opts,
+                                       seq.cache_salt, seq.adapter_id)
+            rows.append(res.logits)
+            seq.num_segment_tokens = res.num_segment_tokens
+            seq.cache_limit = max(start, seq.segments[0].start) if seq.segments else seq.num_tokens
+            seq.segments = None
+            s.num_new_tokens = seq.num_tokens - start
+        return torch.cat(rows)

@@ -1,0 +1,98 @@
+"""One prompt, one selective-recompute forward pass over the paged pool.
+
+Before the call, the pool holds, at the prompt's slots: exact KV for tokens ``< start`` (a
+prefix hit) and, at every layer, reused KV for the tokens flagged ``reused`` (already moved
+to their positions). The pass then, for the tokens from ``start`` on:
+
+1. runs layers ``< check_layer`` on every token (their KV becomes exact);
+2. at ``check_layer`` computes fresh KV for every token, writes it, and scores each reused
+   token by its deviation from the reused KV; ``pick`` chooses which reused tokens to
+   recompute. Non-reused tokens are always recomputed;
+3. runs the chosen tokens (and only those) through the remaining layers; each writes its
+   fresh KV and attends, causally by position, to the whole prompt's KV in the pool.
+
+With ``pick=None`` nothing reused is recomputed and step 1-2 are skipped (``shift``). When
+every token is recomputed the result is a full prefill. Afterwards the pool holds the final
+KV of every prompt token, and decoding can continue as after any prefill.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ..kv.paged import PagedKVCache
+from ..model.attention import AttentionMetadata, PrefillSpan, paged_attention
+from ..model.llama import LlamaForCausalLM
+from .select import deviation
+
+Picker = Callable[[torch.Tensor], torch.Tensor]  # scores [R] -> chosen indices into them
+
+
+@dataclass
+class BlendOutput:
+    logits: torch.Tensor  # [len(logits_positions), vocab] float32
+    recomputed: torch.Tensor  # [N] bool: tokens whose KV was computed in this pass
+
+
+def _meta(slots: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> AttentionMetadata:
+    n = ctx_slots.numel()
+    mask = torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
+    return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, mask)])
+
+
+@torch.inference_mode()
+def blend_forward(
+    model: LlamaForCausalLM,
+    kv: PagedKVCache,
+    token_ids: torch.Tensor,
+    slots: torch.Tensor,
+    start: int,
+    reused: torch.Tensor,
+    logits_positions: torch.Tensor,
+    pick: Picker | None,
+    check_layer: int = 1,
+) -> BlendOutput:
+    """``token_ids``, ``slots``, ``reused``: ``[N]`` for the whole prompt. Positions in
+    ``logits_positions`` must not be reused (their hidden states are needed)."""
+    dev = kv.device
+    n = token_ids.numel()
+    pos = torch.arange(start, n, device=dev)
+    region_slots, ctx_slots = slots[start:].to(dev), slots.to(dev)
+    reused = reused[start:].to(dev)
+    assert not reused[logits_positions.to(dev) - start].any(), "logits positions must be recomputed"
+    x = model.embed_tokens(token_ids[start:].to(dev))
+    cos, sin = model.rotary(pos, x.dtype)
+    layers = list(model.layers)
+    if pick is None:
+        sel = (~reused).nonzero().squeeze(1)
+        first = 0
+    else:
+        full = _meta(region_slots, pos, ctx_slots)
+        for layer in layers[:check_layer]:
+            x = layer(x, cos, sin, kv, full)
+        layer = layers[check_layer]
+        q, k, v = layer.qkv(x, cos, sin)
+        r_idx = reused.nonzero().squeeze(1)
+        r_slots = region_slots[r_idx]
+        scores = deviation(k[r_idx], v[r_idx], kv.k[check_layer][r_slots], kv.v[check_layer][r_slots])
+        chosen = r_idx[pick(scores).to(dev)]
+        sel = torch.cat(((~reused).nonzero().squeeze(1), chosen)).sort().values
+        kv.write(check_layer, region_slots, k, v)
+        attn = paged_attention(q[sel], kv.k[check_layer], kv.v[check_layer],
+                               _meta(region_slots[sel], pos[sel], ctx_slots), layer.scale)
+        x = layer.finish(x[sel], attn)
+        first = check_layer + 1
+    if pick is None:
+        x = x[sel]
+    meta = _meta(region_slots[sel], pos[sel], ctx_slots)
+    cos, sin = cos[sel], sin[sel]
+    for layer in layers[first:]:
+        x = layer(x, cos, sin, kv, meta)
+    where = torch.searchsorted(pos[sel], logits_positions.to(dev))
+    logits = model.compute_logits(x.index_select(0, where))
+    recomputed = torch.zeros(n, dtype=torch.bool, device=dev)
+    recomputed[pos[sel]] = True
+    return BlendOutput(logits, recomputed.cpu())

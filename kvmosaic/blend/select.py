@@ -1,0 +1,47 @@
+"""Which reused tokens to recompute: scored by how far their reused KV is from fresh KV.
+
+The score of a token is the relative L2 deviation of its K and V at one early layer,
+``||[k - k', v - v']|| / ||[k, v]||`` (k, v fresh; k', v' reused), summed over KV heads. Layer
+0's KV depends on the token alone, so the first layer whose KV sees the context (layer 1) is
+the earliest that can tell tokens apart.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def deviation(k: torch.Tensor, v: torch.Tensor, k_old: torch.Tensor, v_old: torch.Tensor) -> torch.Tensor:
+    """Per-token relative deviation; inputs ``[T, kv_heads, head_dim]``, output ``[T]``."""
+    fresh = torch.cat((k, v), dim=-1).float().flatten(1)
+    old = torch.cat((k_old, v_old), dim=-1).float().flatten(1)
+    return (fresh - old).norm(dim=-1) / fresh.norm(dim=-1).clamp_min(1e-12)
+
+
+def choose(
+    scores: torch.Tensor,
+    ratio: float | None = None,
+    threshold: float | None = None,
+    random: bool = False,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Indices (sorted) of the tokens to recompute.
+
+    ``threshold`` (when set) takes every token whose score exceeds it; otherwise ``ratio``
+    takes the ``ceil(ratio * n)`` highest. ``random`` picks the same number uniformly instead
+    (the baseline that shows what the scores are worth).
+    """
+    n = scores.numel()
+    if threshold is not None:
+        count = int((scores > threshold).sum())
+    else:
+        count = min(n, math.ceil((ratio or 0.0) * n - 1e-9))
+    if count == 0:
+        return torch.empty(0, dtype=torch.long)
+    if random:
+        idx = torch.randperm(n, generator=generator)[:count]
+    else:
+        idx = torch.topk(scores.float().cpu(), count).indices
+    return idx.sort().values

@@ -1,0 +1,99 @@
+"""Segment reuse through the engine (float32, short documents)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmosaic.engine.llm import LLM
+from kvmosaic.engine.sampling_params import SamplingParams
+
+HEAD = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+DOCS = [
+    "Document: The capital of Zorbia is Quentol, a city of copper roofs and narrow canals. ",
+    "Document: Marla keeps seven blue goats on her farm near the Vesk river. ",
+    "Document: The vault under the old library opens with the code 4821. ",
+]
+TAIL = "What is the vault code?<|im_end|>\n<|im_start|>assistant\n"
+GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=8)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", num_kv_blocks=128, segment_cache_memory=64 << 20)
+
+
+def run(llm, docs, mode="off", ratio=0.15, salt=None, cold=True):
+    e = llm.engine
+    e.config.segment_reuse, e.config.blend_ratio = mode, ratio
+    if cold:
+        assert e.reset_prefix_cache()
+    prompt = {"prompt": HEAD, "segments": docs, "suffix": TAIL}
+    if salt:
+        prompt["cache_salt"] = salt
+    return llm.generate(prompt, GREEDY)[0]
+
+
+def first_logprobs(out) -> torch.Tensor:
+    lp = out.logprobs[0]
+    return torch.tensor([lp[t] for t in sorted(lp)])
+
+
+def test_full_ratio_reproduces_full_prefill(llm):
+    llm.engine.segment_reuse.store.clear()
+    run(llm, DOCS, mode="blend")  # stores every document behind the head
+    order = [DOCS[2], DOCS[0], DOCS[1]]
+    ref = run(llm, order)
+    out = run(llm, order, mode="blend", ratio=1.0)
+    assert out.token_ids == ref.token_ids
+    assert sorted(out.logprobs[0]) == sorted(ref.logprobs[0])
+    torch.testing.assert_close(first_logprobs(out), first_logprobs(ref), atol=1e-4, rtol=0)
+    assert out.num_segment_tokens == 0 and out.num_computed_tokens == len(out.prompt_token_ids)
+
+
+def test_reuse_is_reported_and_lossy_below_full_ratio(llm):
+    llm.engine.segment_reuse.store.clear()
+    run(llm, DOCS, mode="blend")
+    order = [DOCS[1], DOCS[2], DOCS[0]]
+    shift = run(llm, order, mode="shift")
+    seg_tokens = sum(len(llm.tokenizer.encode(d)) for d in order)
+    assert shift.num_segment_tokens == seg_tokens  # shift recomputes no segment token
+    n = len(shift.prompt_token_ids)
+    assert shift.num_cached_tokens + shift.num_segment_tokens + shift.num_computed_tokens == n
+    blend = run(llm, order, mode="blend", ratio=0.5)
+    assert 0 < blend.num_segment_tokens < shift.num_segment_tokens
+
+
+def test_segments_never_cross_salts(llm):
+    llm.engine.segment_reuse.store.clear()
+    run(llm, DOCS, mode="shift", salt="tenant-a")
+    other = run(llm, DOCS[::-1], mode="shift", salt="tenant-b")
+    assert other.num_segment_tokens == 0
+    unsalted = run(llm, DOCS[::-1], mode="shift")
+    assert unsalted.num_segment_tokens == 0
+    same = run(llm, DOCS[::-1], mode="shift", salt="tenant-a")
+    assert same.num_segment_tokens > 0
+
+
+def test_mode_off_is_the_prefix_only_path(llm):
+    store = llm.engine.segment_reuse.store
+    store.clear()
+    out = run(llm, DOCS)
+    assert len(store.index) == 0 and out.num_segment_tokens == 0
+    ids = out.prompt_token_ids
+    plain = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]  # the prefix cache is warm now
+    assert plain.num_cached_tokens == (len(ids) - 1) // 16 * 16
+    assert plain.token_ids == out.token_ids
+    torch.testing.assert_close(first_logprobs(plain), first_logprobs(out), atol=1e-4, rtol=0)
+
+
+def test_blended_kv_never_serves_as_an_exact_prefix(llm):
+    llm.engine.segment_reuse.store.clear()
+    run(llm, DOCS, mode="blend")
+    order = [DOCS[1], DOCS[0], DOCS[2]]
+    run(llm, order, mode="shift")
+    head_len = len(llm.tokenizer.encode(HEAD))
+    after = run(llm, order, cold=False)  # mode off, prefix cache as the shift run left it
+    assert after.num_cached_tokens <= head_len
+    ref = run(llm, order)
+    torch.testing.assert_close(first_logprobs(after), first_logprobs(ref), atol=1e-4, rtol=0)

@@ -1,0 +1,74 @@
+"""Segment reuse pieces that need no model: re-rotation, the segment index, token choice."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmosaic.blend.rope import rerotate
+from kvmosaic.blend.select import choose, deviation
+from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_namespace
+from kvmosaic.model.llama import RotaryEmbedding, apply_rope
+
+HEAD_DIM, THETA = 64, 100000.0
+
+
+def test_rerotation_is_exact():
+    rope = RotaryEmbedding(HEAD_DIM, THETA, 4096)
+    k = torch.randn(40, 3, HEAD_DIM)
+    for p, d in [(5, 0), (0, 37), (60, 100), (100, 1500), (2000, -1990), (37, 3000)]:
+        pos = torch.arange(p, p + 40)
+        at_p = apply_rope(k, *rope(pos, torch.float32))
+        at_pd = apply_rope(k, *rope(pos + d, torch.float32))
+        moved = rerotate(at_p, d, HEAD_DIM, THETA)
+        # The model's own float32 tables resolve an angle near position P to P * 2**-24
+        # radians, so agreement is bounded by that, not by the rotation.
+        atol = 4 * max(p, p + d, 64) * 2**-24 * float(k.abs().max()) * 2
+        torch.testing.assert_close(moved, at_pd, atol=atol, rtol=0)
+
+
+def test_rerotation_per_token_and_layers():
+    rope = RotaryEmbedding(HEAD_DIM, THETA, 512)
+    k = torch.randn(2, 10, 3, HEAD_DIM)  # [layers, T, heads, dim]
+    pos = torch.arange(10)
+    moved = rerotate(apply_rope(k, *rope(pos, torch.float32)), torch.full((10,), 7), HEAD_DIM, THETA)
+    torch.testing.assert_close(moved, apply_rope(k, *rope(pos + 7, torch.float32)), atol=1e-5, rtol=0)
+
+
+def test_segment_keys_depend_on_tokens_and_namespace_only():
+    ns = segment_namespace("model-a", "float32")
+    toks = [5, 6, 7]
+    assert segment_key(ns, toks) == segment_key(ns, list(toks))
+    assert segment_key(ns, toks, "s1") != segment_key(ns, toks, "s2")
+    assert segment_key(ns, toks, "s1") != segment_key(ns, toks)
+    assert segment_key(ns, toks, None, "lora") != segment_key(ns, toks)
+    assert segment_key(segment_namespace("model-b", "float32"), toks) != segment_key(ns, toks)
+    assert segment_key(segment_namespace("model-a", "bfloat16"), toks) != segment_key(ns, toks)
+
+
+def test_segment_index_lru_under_budget():
+    idx = SegmentIndex(capacity_bytes=100)
+    assert idx.insert(b"a", [1], 0, 40) == []
+    assert idx.insert(b"b", [2], 0, 40) == []
+    assert idx.lookup(b"a", [1]) is not None  # a is now most recent
+    assert idx.insert(b"c", [3], 0, 40) == [b"b"]
+    assert idx.used_bytes == 80 and set(idx.entries) == {b"a", b"c"}
+    assert idx.insert(b"big", [4], 0, 101) is None and idx.used_bytes == 80
+    assert idx.lookup(b"a", [9]) is None  # same key, other tokens: a collision is a miss
+    assert idx.insert(b"d", [5], 0, 100) == [b"a", b"c"] and idx.used_bytes == 100
+
+
+def test_choose_ratio_threshold_random():
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.05, 0.7])
+    assert choose(scores, ratio=0.4).tolist() == [1, 4]
+    assert choose(scores, ratio=0.0).numel() == 0
+    assert choose(scores, ratio=1.0).tolist() == [0, 1, 2, 3, 4]
+    assert choose(scores, threshold=0.3).tolist() == [1, 2, 4]
+    r = choose(scores, ratio=0.6, random=True, generator=torch.Generator().manual_seed(0))
+    assert r.numel() == 3 and r.unique().numel() == 3
+
+
+def test_deviation_is_relative():
+    k, v = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
+    assert torch.allclose(deviation(k, v, k, v), torch.zeros(4))
+    d = deviation(k, v, 1.1 * k, 1.1 * v)
+    assert torch.allclose(d, torch.full((4,), 0.1), atol=1e-5)
