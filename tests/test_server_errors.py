@@ -1,0 +1,114 @@
+"""Malformed and hostile requests: each gets a 4xx in OpenAI's error shape that says what is
+wrong, the server stays up, and the engine is left exactly as it was (no block in use, no
+request queued, nothing counted)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvmosaic.server.launch import ServerProcess
+
+MAX_BODY = 16 * 1024
+CONTEXT = 128
+
+
+@pytest.fixture(scope="module")
+def server():
+    with ServerProcess("--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", str(CONTEXT),
+                       "--max-body-bytes", str(MAX_BODY)) as proc:
+        yield proc
+
+
+C, CHAT = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+
+# (id, path, body: dict (sent as JSON) or bytes (sent raw), status, words in the message, param)
+CASES = [
+    ("bad-json", C, b'{"prompt": "x",', 400, "not valid JSON", None),
+    ("not-an-object", C, b"[1, 2]", 400, "must be a JSON object", None),
+    ("empty-body", C, b"", 400, "empty", None),
+    ("non-utf8", C, b'{"prompt": "\xff\xfe"}', 400, "not valid UTF-8", None),
+    ("oversized-body", C, {"prompt": "x" * (2 * MAX_BODY)}, 413, "larger than this server accepts", None),
+    ("prompt-wrong-type", C, {"prompt": 5}, 400, "prompt: must be a non-empty string", "prompt"),
+    ("empty-prompt", C, {"prompt": ""}, 400, "the prompt is empty", "prompt"),
+    ("empty-token-list", C, {"prompt": []}, 400, "prompt: must be", "prompt"),
+    ("token-out-of-vocab", C, {"prompt": [1, 10**7]}, 400, "token ids must be in", "prompt"),
+    ("batched-prompts", C, {"prompt": ["a", "b"]}, 400, "one prompt per request", "prompt"),
+    ("prompt-longer-than-context", C, {"prompt": "word " * 400}, 400, "maximum context length is 128", "prompt"),
+    ("max-tokens-zero", C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens: Input should be greater than", "max_tokens"),
+    ("max-tokens-negative", C, {"prompt": "x", "max_tokens": -5}, 400, "max_tokens", "max_tokens"),
+    ("max-tokens-huge", C, {"prompt": "x", "max_tokens": 10**12}, 400, "lower max_tokens to at most 127", "max_tokens"),
+    ("max-tokens-string", C, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens: Input should be a valid integer", "max_tokens"),
+    ("unknown-model", C, {"prompt": "x", "model": "gpt-4"}, 404, "'gpt-4' does not exist", "model"),
+    ("n-too-large", C, {"prompt": "x", "n": 4}, 400, "n: Input should be less than or equal to 1", "n"),
+    ("n-zero", C, {"prompt": "x", "n": 0}, 400, "n: Input should be greater than or equal to 1", "n"),
+    ("salt-not-a-string", C, {"prompt": "x", "cache_salt": 42}, 400, "cache_salt: Input should be a valid string", "cache_salt"),
+    ("salt-empty", C, {"prompt": "x", "cache_salt": ""}, 400, "cache_salt", "cache_salt"),
+    ("temperature-too-high", C, {"prompt": "x", "temperature": 7.5}, 400, "temperature: Input should be less", "temperature"),
+    ("temperature-negative", C, {"prompt": "x", "temperature": -1}, 400, "temperature", "temperature"),
+    ("top-p-zero", C, {"prompt": "x", "top_p": 0}, 400, "top_p: Input should be greater than 0", "top_p"),
+    ("logprobs-too-many", C, {"prompt": "x", "logprobs": 50}, 400, "logprobs", "logprobs"),
+    ("empty-stop-string", C, {"prompt": "x", "stop": [""]}, 400, "stop strings must not be empty", None),
+    ("misspelt-salt", C, {"prompt": "x", "cache_slat": "t1"}, 400, "unknown field 'cache_slat'", "cache_slat"),
+    ("unsupported-penalty", C, {"prompt": "x", "presence_penalty": 1.0}, 400, "presence_penalty is not supported", None),
+    ("echo", C, {"prompt": "x", "echo": True}, 400, "echo is not supported", None),
+    ("stream-options-without-stream", C, {"prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "only be set when stream is true", None),
+    ("bad-params-with-stream", C, {"prompt": "x", "stream": True, "max_tokens": 0}, 400, "max_tokens", "max_tokens"),
+    ("messages-not-a-list", CHAT, {"messages": "hi"}, 400, "messages: Input should be a valid array", "messages"),
+    ("messages-empty", CHAT, {"messages": []}, 400, "messages: List should have at least 1 item", "messages"),
+    ("message-bad-role", CHAT, {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages.0.role", "messages.0.role"),
+    ("message-no-content", CHAT, {"messages": [{"role": "user"}]}, 400, "messages.0.content: Field required", "messages.0.content"),
+    ("message-image-part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+     400, "messages.0.content: must be a string or a non-empty list", "messages.0.content"),
+    ("tools-unsupported", CHAT, {"messages": USER, "tools": []}, 400, "unknown field 'tools'", "tools"),
+    ("chat-max-tokens-huge", CHAT, {"messages": USER, "max_completion_tokens": 5000}, 400, "maximum context length", "max_tokens"),
+    ("top-logprobs-without-logprobs", CHAT, {"messages": USER, "top_logprobs": 2}, 400, "requires logprobs", None),
+    ("unknown-path", "/v1/embeddings", {"input": "x"}, 404, "Not Found", None),
+]
+
+
+def send(server, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(server.url + path, content=body, headers={"Content-Type": "application/json"}, timeout=30)
+    return httpx.post(server.url + path, json=body, timeout=30)
+
+
+@pytest.mark.parametrize("path,body,status,words,param", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_rejected_with_a_clear_message(server, path, body, status, words, param):
+    r = send(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert words in err["message"], err["message"]
+    if param is not None:
+        assert err["param"] == param
+    health = server.health()
+    assert server.alive() and health["kv"]["num_used_blocks"] == 0
+    assert health["requests"] == {"running": 0, "waiting": 0}
+
+
+def test_a_chunked_body_over_the_limit_is_cut_off(server):
+    def chunks():
+        for _ in range(8):
+            yield b" " * (MAX_BODY // 4)
+        yield b'{"prompt": "x"}'
+
+    r = httpx.post(server.url + C, content=chunks(), headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and "larger than" in r.json()["error"]["message"]
+
+
+def test_wrong_method(server):
+    r = httpx.get(server.url + C)
+    assert r.status_code == 405 and r.json()["error"]["message"]
+
+
+def test_rejections_left_the_engine_untouched_and_it_still_serves(server):
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("prefix_cache_queries_total", "prompt_tokens_total", "generation_tokens_total"):
+        assert f'kvmosaic:{name}{{model_name="SmolLM2-135M-Instruct"}} 0.0' in metrics, name
+    assert "kvmosaic:request_success_total{" not in metrics
+    r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    assert server.health()["kv"]["num_used_blocks"] == 0
