@@ -1,0 +1,99 @@
+"""Server parts that need no model: streamed text deltas, tenant salts, the cache-event wire
+format with its replay, and size parsing."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+
+from kvmosaic.cache import events as ce
+from kvmosaic.server.cli import memory_size
+from kvmosaic.server.errors import APIError
+from kvmosaic.server.events import (BlockRemoved, BlockStored, CachedBlocks, KVEventBatch, KVEventSubscriber,
+                                    ZmqEventPublisher)
+from kvmosaic.server.launch import free_port
+from kvmosaic.server.responses import TextDelta
+from kvmosaic.server.tenancy import TenantPolicy
+
+
+def stream(texts: list[str], stops: list[str]) -> list[str]:
+    d = TextDelta(stops)
+    return [d.next(t, i == len(texts) - 1) for i, t in enumerate(texts)]
+
+
+def test_text_delta_holds_back_an_incomplete_character():
+    assert stream(["a", "a\ufffd", "ab\u00e9", "ab\u00e9c"], []) == ["a", "", "b\u00e9", "c"]
+
+
+def test_text_delta_holds_back_what_may_become_a_stop_string():
+    # The engine cuts "END" from the finished text: nothing of it was sent before.
+    out = stream(["x", "x E", "x EN", "x "], ["END"])
+    assert "".join(out) == "x " and all("E" not in piece for piece in out)
+
+
+def test_text_delta_sends_everything_at_the_end():
+    assert "".join(stream(["he", "hel", "hello"], ["STOP!"])) == "hello"
+
+
+def test_salts_come_from_the_key_and_cannot_be_forged():
+    p = TenantPolicy(salt_secret=b"secret")
+    alice, bob = p.cache_salt("alice", None), p.cache_salt("bob", None)
+    assert alice != bob and len(alice) == 32
+    assert p.cache_salt("bob", alice) != alice, "naming alice's salt in the body does not reach it"
+    assert p.cache_salt("alice", "x") == alice + "/x"
+    assert TenantPolicy().cache_salt("alice", "x") == "x"  # no secret: vLLM's behaviour
+
+
+def test_api_keys_are_required_when_configured():
+    p = TenantPolicy(api_keys=frozenset({"k1"}))
+    assert p.authenticate("Bearer k1") == "k1"
+    for header in (None, "Bearer k2", "k1", "Basic k1"):
+        with pytest.raises(APIError) as e:
+            p.authenticate(header)
+        assert e.value.status == 401
+    assert TenantPolicy().authenticate(None) is None
+
+
+def test_memory_sizes():
+    assert memory_size("1G") == 1 << 30 and memory_size("512MiB") == 512 << 20 and memory_size("4096") == 4096
+    with pytest.raises(Exception):
+        memory_size("lots")
+
+
+def stored(h: bytes, parent: bytes | None, tokens: list[int]) -> ce.BlockStored:
+    return ce.BlockStored([h], parent, tokens, len(tokens))
+
+
+def test_the_wire_format_is_vllms_array_layout():
+    batch = KVEventBatch(1.0, [BlockStored([b"h1"], None, [1, 2], 2, None, "CPU"), BlockRemoved([b"h1"], "CPU")])
+    raw = msgspec.msgpack.decode(msgspec.msgpack.encode(batch))
+    assert raw == [1.0, [["BlockStored", [b"h1"], None, [1, 2], 2, None, "CPU"], ["BlockRemoved", [b"h1"], "CPU"]], None]
+
+
+def test_a_subscriber_follows_the_publisher_and_replays_what_it_missed():
+    pub_ep, replay_ep = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    pub = ZmqEventPublisher(pub_ep, "kv", replay_ep)
+    pub.publish([stored(b"a", None, [1, 2])])  # seq 0
+    pub.publish([stored(b"b", b"a", [3, 4])])  # seq 1
+    time.sleep(0.3)  # sent before anyone subscribed: lost on PUB/SUB, kept for replay
+    sub = KVEventSubscriber(pub_ep, "kv", replay_endpoint=replay_ep)
+    try:
+        time.sleep(0.5)
+        sub.next_seq = 0  # what this router has seen: nothing
+        pub.publish([stored(b"c", b"b", [5, 6]), ce.BlockRemoved([b"c"])])  # seq 2
+        view, seqs = CachedBlocks(), []
+        while len(seqs) < 3:
+            seq, batch = sub.recv(timeout=10)
+            seqs.append(seq)
+            view.apply(batch)
+        assert seqs == [0, 1, 2] and sub.gaps == 0
+        assert view.prefix_hits([b"a", b"b", b"c"]) == 2 and view.parent[b"b"] == b"a"
+        pub.publish([ce.AllBlocksCleared()])
+        seq, batch = sub.recv(timeout=10)
+        view.apply(batch)
+        assert seq == 3 and len(view) == 0
+    finally:
+        sub.close()
+        pub.close()
