@@ -1,0 +1,76 @@
+"""The engines compared, behind one interface: ``generate(prompt_ids, max_tokens)``.
+
+Every peer runs greedy decoding for exactly ``max_tokens`` tokens (EOS does not stop it), one
+request at a time, and times the same two moments from the call: the first generated token
+being available to Python (TTFT) and the last one (end to end).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import time
+from dataclasses import dataclass
+
+KVMOSAIC_CACHES = {"kvmosaic-none": "none", "kvmosaic-hash": "hash", "kvmosaic-radix": "radix"}
+ALL_PEERS = (*KVMOSAIC_CACHES, "transformers", "transformers-prompt-cache", "llama-cpp-ramcache")
+DEFAULT_PEERS = ALL_PEERS
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    ttft: float
+    e2e: float
+    cached_tokens: int
+
+
+@dataclass
+class PeerSettings:
+    dtype: str = "bfloat16"
+    threads: int | None = None
+    model_path: str | None = None  # None: the shipped GGUF
+
+
+def unavailable_reason(name: str) -> str | None:
+    """Why peer ``name`` cannot run here, or None when it can."""
+    if name not in ALL_PEERS:
+        return f"unknown peer {name!r}; choose from {', '.join(ALL_PEERS)}"
+    if name == "kvmosaic-radix" and importlib.util.find_spec("kvmosaic.cache.radix") is None:
+        return "kvmosaic-radix skipped: kvmosaic/cache/radix.py does not exist yet (radix backend not landed)"
+    if name == "llama-cpp-ramcache" and importlib.util.find_spec("llama_cpp") is None:
+        return ("llama-cpp-ramcache skipped: llama-cpp-python is not installed "
+                "(run scripts/install_llama_cpp.sh, about 4 minutes to compile)")
+    return None
+
+
+def import_libraries(name: str) -> None:
+    """Import what peer ``name`` needs, so a worker's memory baseline includes the libraries
+    (and only the model and its caches count as the peer's memory)."""
+    import torch  # noqa: F401 - every peer finds the model through kvmosaic, which uses torch
+
+    if name.startswith("transformers"):
+        import transformers  # noqa: F401
+    if name == "llama-cpp-ramcache":
+        import llama_cpp  # noqa: F401
+    if name in KVMOSAIC_CACHES:
+        import kvmosaic.engine  # noqa: F401
+
+
+def make_peer(name: str, settings: PeerSettings):
+    if name in KVMOSAIC_CACHES:
+        from .peer_kvmosaic import KvmosaicPeer
+
+        return KvmosaicPeer(KVMOSAIC_CACHES[name], settings)
+    if name.startswith("transformers"):
+        from .peer_transformers import TransformersPeer
+
+        return TransformersPeer(settings, reuse_prompts=name == "transformers-prompt-cache")
+    if name == "llama-cpp-ramcache":
+        from .peer_llama_cpp import LlamaCppPeer
+
+        return LlamaCppPeer(settings)
+    raise ValueError(unavailable_reason(name) or name)
+
+
+def clock() -> float:
+    return time.perf_counter()
