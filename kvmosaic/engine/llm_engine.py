@@ -15,8 +15,7 @@ from ..cache.events import EventLog
 from ..cache.hashing import get_hash_fn, make_seed
 from ..cache.manager import HashCacheManager, KVCacheManager
 from ..kv.paged import PagedKVCache
-from ..model import build_model, load_weights
-from ..model.tokenizer import load_tokenizer
+from ..model import load_model_bundle
 from .config import EngineConfig
 from .model_runner import ModelRunner, StepResult
 from .sampler import sample, top_logprobs
@@ -83,22 +82,19 @@ class LLMEngine:
         self.config = config = config or EngineConfig(**kwargs)
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        weights = load_weights(config.model)
-        self.model_name = weights.name
-        self.model_config = weights.config
-        self.model_fingerprint = weights.fingerprint
         self.device = config.torch_device
-        self.model = build_model(weights, config.torch_dtype, self.device)
-        del weights.tensors
-        self.tokenizer = load_tokenizer(weights.tokenizer_dir, weights.gguf_file)
-        self.max_model_len = min(config.max_model_len or weights.config.max_position_embeddings,
-                                 weights.config.max_position_embeddings)
+        bundle = load_model_bundle(config.model, config.dtype, str(self.device))
+        self.model, self.tokenizer = bundle.model, bundle.tokenizer
+        self.model_name, self.model_config = bundle.name, bundle.config
+        self.model_fingerprint = bundle.fingerprint
+        cfg = self.model_config
+        self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_blocks = config.num_kv_blocks or PagedKVCache.num_blocks_for_budget(
-            weights.config, config.block_size, config.torch_dtype, config.kv_cache_memory)
-        self.kv = PagedKVCache(weights.config, num_blocks, config.block_size, config.torch_dtype, self.device)
+            cfg, config.block_size, config.torch_dtype, config.kv_cache_memory)
+        self.kv = PagedKVCache(cfg, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.events = EventLog(enabled=config.enable_kv_events)
         self.pool = BlockPool(num_blocks, config.block_size, self.events, config.verify_tokens)
-        seed = make_seed(weights.fingerprint, config.dtype, config.block_size, config.hash_algo)
+        seed = make_seed(self.model_fingerprint, config.dtype, config.block_size, config.hash_algo)
         self.cache = make_cache_manager(config, self.pool, seed)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,

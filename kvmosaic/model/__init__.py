@@ -1,12 +1,20 @@
 """The transformer, its weights and its tokenizer."""
 
+import functools
+from dataclasses import dataclass
+
 import torch
 
-from .config import ModelConfig
+from .config import DTYPES, ModelConfig
 from .llama import LlamaForCausalLM
 from .loader import LoadedWeights, load_weights, shipped_model_path
 
-__all__ = ["ModelConfig", "LlamaForCausalLM", "LoadedWeights", "load_weights", "shipped_model_path", "build_model"]
+from .tokenizer import load_tokenizer
+
+__all__ = [
+    "ModelConfig", "LlamaForCausalLM", "LoadedWeights", "ModelBundle",
+    "load_weights", "shipped_model_path", "build_model", "load_model_bundle",
+]
 
 
 def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
@@ -19,3 +27,23 @@ def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.
     model.to(dtype)
     model.rotary.float()  # RoPE tables stay float32, as in transformers
     return model.eval()
+
+
+@dataclass(frozen=True)
+class ModelBundle:
+    """A built model with its tokenizer and identity. The model is only read at inference,
+    so engines in one process share it (each engine has its own KV pool)."""
+
+    model: LlamaForCausalLM
+    tokenizer: object
+    config: ModelConfig
+    fingerprint: str
+    name: str
+
+
+@functools.lru_cache(maxsize=2)
+def load_model_bundle(model: str | None, dtype: str, device: str) -> ModelBundle:
+    weights = load_weights(model)
+    built = build_model(weights, DTYPES[dtype], device)
+    tokenizer = load_tokenizer(weights.tokenizer_dir, weights.gguf_file)
+    return ModelBundle(built, tokenizer, weights.config, weights.fingerprint, weights.name)
