@@ -43,7 +43,10 @@ DOCS = [
     "The mayor of Brellin is a retired ship captain named Ida Varga, who was elected for the third time last year. "
     "Local bakers are proud of a sweet bread filled with plums and walnuts, which they sell only on Sundays. "
     "The harbour has two piers: the northern pier for fishing boats and the southern pier for ferries to the islands. "
-    "A small museum near the market shows old maps, ropes, anchors and the logbook of the first salt ship.",
+    "A small museum near the market shows old maps, ropes, anchors and the logbook of the first salt ship. "
+    "In winter the harbour sometimes freezes at its edges, and the children of Brellin skate between the moored boats. "
+    "A narrow railway connects the town with the capital, and the journey takes a little more than four hours. "
+    "Many painters have lived in Brellin, because the light over the river mouth changes color many times a day.",
     "Document 2. The Kestrel 7 is a small electric delivery robot built by the company Tamsin Works. "
     "It has six wheels, a top speed of 14 kilometers per hour and a cargo box that holds up to 20 kilograms. "
     "Its battery lasts for about nine hours of driving and charges fully in ninety minutes at a station. "
@@ -52,7 +55,11 @@ DOCS = [
     "The first Kestrel robots were tested on the streets of the city of Halvor during a cold and snowy winter. "
     "Engineers painted the robots bright orange so that drivers and cyclists would notice them from far away. "
     "Tamsin Works was started by two sisters, Nora and Elsa Lind, in a garage behind their parents' house. "
-    "The company now has about three hundred employees and sells its robots to shops, hospitals and universities.",
+    "The company now has about three hundred employees and sells its robots to shops, hospitals and universities. "
+    "A newer model with a heated cargo box for warm meals is being tested by restaurants this year. "
+    "Customers can follow the robot on a map in their phone and see exactly when it will arrive at the door. "
+    "If a robot gets stuck, a remote operator in the company office can take control and drive it by hand. "
+    "Each robot is washed and checked by a mechanic once a week, and its tires are replaced every spring.",
     "Document 3. The vault beneath the old library of Castell is opened with the code 4821, known only to the archivists. "
     "Inside the vault the archivists keep about two thousand handwritten books, many of them older than the library itself. "
     "The room is kept at a temperature of 16 degrees and the air is dried by a machine that hums day and night. "
@@ -61,7 +68,11 @@ DOCS = [
     "The head archivist is Tomas Reed, who has worked in the library for twenty-six years and knows every shelf by heart. "
     "Reed says the hardest part of his job is repairing the leather covers, which crack when the air is too dry. "
     "The library itself was built from grey stone and has a copper roof that turned green a long time ago. "
-    "Students from the nearby university come to the reading room every day to study old letters and maps.",
+    "Students from the nearby university come to the reading room every day to study old letters and maps. "
+    "The reading room has long oak tables, green lamps and tall windows that face the main square of Castell. "
+    "Photography is allowed in the reading room, but only without a flash, to protect the ink on old pages. "
+    "A volunteer group meets every Thursday evening to copy fragile letters into a digital catalogue. "
+    "The catalogue already lists more than nine hundred letters, sorted by writer, year and town.",
     "Document 4. The Amber Valley cheese is made by a cooperative of eleven farms in the hills south of Lorn. "
     "The cheese is round, weighs about eight kilograms and ripens for at least fourteen months in a cool cellar. "
     "It is made only from the milk of brown mountain cows, which graze on high meadows from May until September. "
@@ -70,7 +81,11 @@ DOCS = [
     "Each wheel carries a stamp with a small picture of a fox, the symbol that the cooperative chose at its founding. "
     "Chefs like to melt the cheese over potatoes or to serve it in thin slices with pears and honey. "
     "The cooperative sells about twelve thousand wheels every year, and most of them are exported to other countries. "
-    "Tourists can visit the cellars on guided tours that run every Saturday morning during the summer.",
+    "Tourists can visit the cellars on guided tours that run every Saturday morning during the summer. "
+    "At the end of each tour, visitors taste three cheeses of different ages with bread and apple juice. "
+    "The farms still make the cheese by hand in copper kettles, heated by wood fires in the early morning. "
+    "In a good year the cows give more milk in June than in any other month, so June cheese is prized. "
+    "The cellars are dug into the side of a hill, where the air stays cool and damp through the whole year.",
     "Document 5. Captain Mirela Dunn led the polar ship Northwind on its famous voyage across the frozen sea. "
     "The Northwind left port on the first of March with a crew of thirty-two sailors and four scientists. "
     "The ship was trapped in the ice for 63 days before a storm broke the ice and set it free again. "
@@ -79,7 +94,11 @@ DOCS = [
     "The ship's dog, a large grey husky named Pepper, became famous after the voyage when a book was written about her. "
     "When the Northwind finally returned home, thousands of people waited on the docks to welcome the sailors. "
     "Captain Dunn later wrote that the silence of the ice was the strangest thing she had ever experienced. "
-    "The Northwind is now a museum ship, and visitors can see the captain's cabin and the small kitchen.",
+    "The Northwind is now a museum ship, and visitors can see the captain's cabin and the small kitchen. "
+    "The scientists brought back boxes of notes, water samples and drawings of seals and seabirds. "
+    "Their measurements helped later sailors to plan safer routes through the ice in early spring. "
+    "A statue of the captain and her dog now stands at the end of the harbour where the ship departed. "
+    "Schoolchildren visit the statue every spring and leave small paper boats with messages at its feet.",
 ]
 QUESTIONS = [
     ("What code opens the vault beneath the library of Castell?", "4821"),
@@ -95,8 +114,8 @@ QUESTIONS = [
 ]
 ANSWER_TOKENS = 16
 RATIOS = (0.0, 0.05, 0.10, 0.15, 0.20, 0.30, 0.50, 1.0)
-RANDOM_RATIOS = (0.05, 0.15, 0.30, 0.50)
-THRESHOLDS = (0.5, 0.35, 0.25)
+RANDOM_RATIOS = (0.05, 0.15, 0.30)
+THRESHOLDS = (0.1, 0.05, 0.03)  # on the relative deviation score
 
 
 @dataclass
@@ -277,7 +296,7 @@ def plot(rows: list[Row], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=6)
+    ap.add_argument("--requests", type=int, default=3)
     ap.add_argument("--out", default="docs/blend")
     args = ap.parse_args()
     rows = run(args.requests)
