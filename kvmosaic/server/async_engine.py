@@ -46,8 +46,12 @@ class RequestStream:
         self.finished = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        """Called from the engine thread."""
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        """Called from the engine thread. After the event loop closed (shutdown) there is
+        nobody left to tell."""
+        try:
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+        except RuntimeError:
+            pass
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:

@@ -88,6 +88,10 @@ def install(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         return from_validation_error(exc).response()
 
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(exc.status_code, str(exc.detail))

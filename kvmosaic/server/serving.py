@@ -148,6 +148,8 @@ class OpenAIServing:
                     break
         except RequestAborted:
             pass
+        except RuntimeError as e:  # the engine failed this step (see AsyncEngine._step)
+            raise APIError(500, str(e)) from None
         finally:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
