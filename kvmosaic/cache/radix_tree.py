@@ -105,6 +105,7 @@ class RadixTree:
         self.roots: dict[Hashable, RadixNode] = {}
         self.evictable_size = 0
         self.protected_size = 0
+        self.num_evicted_tokens = 0
         self._clock = itertools.count(1)
 
     # ---- lookup --------------------------------------------------------------------------
@@ -273,6 +274,7 @@ class RadixTree:
             if self._evictable_leaf(parent):
                 heapq.heappush(heap, (self._key(parent), id(parent), parent))
         res.num_blocks_freed = self.pool.num_free_blocks - free_before
+        self.num_evicted_tokens += res.num_tokens
         return res
 
     def _evictable_leaf(self, node: RadixNode) -> bool:
