@@ -15,6 +15,7 @@ does :meth:`Scheduler.update` advance progress and let the cache index the new b
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -126,18 +127,47 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     def _order_waiting(self) -> None:
-        """Longest-prefix-match ordering (SGLang's LPM), bounded so nobody starves: a request
-        passed over ``max_skips`` times goes first."""
-        if self.config.policy != "lpm" or len(self.waiting) < 2:
+        """Longest-prefix-match ordering (SGLang's LPM), bounded so nobody starves.
+
+        Order: (1) starving requests, oldest first: those that ``max_skips`` later arrivals
+        have been admitted ahead of; (2) the longest cached prefix; (3) among equal hits,
+        requests that share their first block (and namespace) with an older waiting request
+        are grouped right behind it, so that one computes the shared prefix and the rest of
+        its group then hit it, instead of tenants taking turns and evicting each other's
+        prompts; (4) arrival. Above 128 waiting requests the scan costs more than it saves
+        and the queue keeps its order (SGLang falls back to FCFS there too).
+
+        Skips are counted from admissions, not from orderings: requests that left the queue
+        since the previous call (admitted, or rarely aborted) count against every request
+        still waiting that arrived before them.
+        """
+        if self.config.policy != "lpm":
             return
-        starving = [s for s in self.waiting if self.skips.get(s.request_id, 0) >= self.config.max_skips]
-        rest = [s for s in self.waiting if self.skips.get(s.request_id, 0) < self.config.max_skips]
-        rest.sort(key=lambda s: -self.kv.match_prefix(s).num_tokens)  # stable: FCFS among ties
-        ordered = starving + rest
-        for pos, s in enumerate(ordered):
-            if any(o.arrival_time > s.arrival_time for o in ordered[:pos]):
-                self.skips[s.request_id] = self.skips.get(s.request_id, 0) + 1
-        self.waiting = deque(ordered)
+        previous: dict[str, float] = getattr(self, "_lpm_previous", {})
+        waiting_ids = {s.request_id for s in self.waiting}
+        left = sorted(t for rid, t in previous.items() if rid not in waiting_ids)
+        for s in self.waiting:
+            passed = len(left) - bisect.bisect_right(left, s.arrival_time)
+            if passed:
+                self.skips[s.request_id] = self.skips.get(s.request_id, 0) + passed
+        self._lpm_previous = {s.request_id: s.arrival_time for s in self.waiting}
+        if not 2 <= len(self.waiting) <= 128:
+            return
+        bs = self.kv.block_size
+        hit = {s.request_id: self.kv.match_prefix(s).num_tokens for s in self.waiting}
+        group_arrival: dict[tuple, float] = {}
+        for s in sorted(self.waiting, key=lambda s: s.arrival_time):
+            group_arrival.setdefault((s.cache_salt, s.adapter_id, tuple(s.all_token_ids[:bs])), s.arrival_time)
+
+        def lpm_key(s: Sequence) -> tuple:
+            group = group_arrival[(s.cache_salt, s.adapter_id, tuple(s.all_token_ids[:bs]))]
+            return (-hit[s.request_id], group, s.arrival_time)
+
+        limit = self.config.max_skips
+        starving = sorted((s for s in self.waiting if self.skips.get(s.request_id, 0) >= limit),
+                          key=lambda s: s.arrival_time)
+        rest = sorted((s for s in self.waiting if self.skips.get(s.request_id, 0) < limit), key=lpm_key)
+        self.waiting = deque(starving + rest)
 
     # ---- after the model ran -------------------------------------------------------------
     def update(self, out: SchedulerOutput) -> None:
