@@ -128,6 +128,9 @@ class RadixCacheManager(KVCacheManager):
     def on_free(self, req: CacheRequest, blocks: list) -> None:
         state = self.anchors.pop(req.request_id, None)
         if state is not None and state.node is not None:
+            # The whole path was in use until now (as a hash backend's blocks are, freed
+            # tail first): without this, a shared prompt would look older than its tails.
+            self.tree.touch_path(state.node, getattr(req, "priority", 0), hit=False)
             self.tree.unlock(state.node)
 
     def reset_prefix_cache(self) -> bool:

@@ -18,7 +18,9 @@ Invariants (checked by :meth:`RadixTree.check_invariants`, property-tested):
 * ``evictable_size`` and ``protected_size`` are the tokens in unlocked and locked nodes,
   kept incrementally by :meth:`lock` / :meth:`unlock` / insert / split / evict;
 * only unlocked leaves are evicted (leaf first: a parent becomes a candidate once its last
-  child is gone), in the order of the eviction policy.
+  child is gone), in the order of the eviction policy; a leaf longer than needed loses only
+  its tail blocks (it is split at a block boundary), so eviction is as fine-grained as the
+  hash backend's.
 """
 
 from __future__ import annotations
@@ -243,12 +245,13 @@ class RadixTree:
                 self.protected_size -= len(node.key)
             node = node.parent
 
-    def touch_path(self, node: RadixNode, priority: int = 0) -> None:
-        """Record a use of the path to ``node`` (for the eviction policy)."""
+    def touch_path(self, node: RadixNode, priority: int = 0, hit: bool = True) -> None:
+        """Record a use of the path to ``node`` (for the eviction policy): a new hit when a
+        request starts on it, a refresh of recency (``hit=False``) when one ends."""
         now = next(self._clock)
         while node is not None and not node.is_root:
             node.last_access = now
-            node.hits += 1
+            node.hits += hit
             node.priority = max(node.priority, priority)
             node = node.parent
 
@@ -267,6 +270,13 @@ class RadixTree:
         free_before = self.pool.num_free_blocks
         while heap and self.pool.num_free_blocks - free_before < num_blocks:
             _, _, leaf = heapq.heappop(heap)
+            still = num_blocks - (self.pool.num_free_blocks - free_before)
+            cut = (_ceil_div(leaf.end, self.bs) - still) * self.bs
+            if cut > leaf.start:
+                # Evict only the tail blocks needed, as the hash backend evicts block by
+                # block: the head keeps serving hits. The cut is block-aligned: no shared block.
+                head = self._split(leaf, cut - leaf.start)
+                heapq.heappush(heap, (self._key(head), id(head), head))
             parent = leaf.parent
             self._remove_leaf(leaf)
             res.num_nodes += 1
