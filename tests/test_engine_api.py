@@ -1,0 +1,138 @@
+"""The LLM API: sampling, stopping, salts, reset, stats, safetensors loading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kvmosaic import LLM, SamplingParams
+from kvmosaic.model.config import ModelConfig
+from tests.conftest import make_llm
+
+SYSTEM = "You are a terse assistant who answers questions about geography and tiles. " * 4
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return make_llm()
+
+
+def test_kv_bytes_per_token_formula():
+    cfg = ModelConfig(49152, 576, 1536, 30, 9, 3, 64, 1e5, 1e-5, 8192, True)
+    assert cfg.kv_bytes_per_token(2) == 2 * 30 * 3 * 64 * 2 == 23040
+
+
+def test_seeded_sampling_is_reproducible_and_filters_work(llm):
+    prompt = "Once upon a time"
+    sampled = SamplingParams(temperature=1.0, top_p=0.9, seed=7, max_tokens=8, ignore_eos=True)
+    a, b = llm.generate([prompt, prompt], sampled)  # batched together, still independent
+    assert a.token_ids == b.token_ids
+    greedy = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
+    top1 = llm.generate(prompt, SamplingParams(temperature=1.5, top_k=1, seed=1, max_tokens=8, ignore_eos=True))[0]
+    tiny_p = llm.generate(prompt, SamplingParams(temperature=1.5, top_p=1e-6, seed=2, max_tokens=8, ignore_eos=True))[0]
+    assert top1.token_ids == greedy.token_ids == tiny_p.token_ids
+
+
+def test_stops(llm):
+    base = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))[0]
+    assert base.finish_reason == "length" and len(base.token_ids) == 12
+    stop = base.text[4:7]
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=12, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == base.text[: base.text.index(stop)]
+    tok = base.token_ids[2]
+    out = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tok]))[0]
+    assert out.token_ids == base.token_ids[:3] and out.stop_reason == tok
+    chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0.0, max_tokens=32))[0]
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] == llm.engine.eos_token_id
+
+
+def test_salts_isolate_and_same_salt_shares(llm):
+    msgs = lambda q: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]  # noqa: E731
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    first = llm.chat(msgs("Where is Lisbon?"), params, cache_salt="tenant-a")[0]
+    other = llm.chat(msgs("Where is Porto?"), params, cache_salt="tenant-b")[0]
+    same = llm.chat(msgs("Where is Faro?"), params, cache_salt="tenant-a")[0]
+    unsalted = llm.chat(msgs("Where is Braga?"), params)[0]
+    assert first.num_cached_tokens == 0 and other.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0
+    assert same.num_cached_tokens >= 64
+    salted_blocks = {b.block_id for b in llm.engine.pool.cached.values()}
+    assert len(salted_blocks) == len(llm.engine.pool.cached)  # one block per name, no sharing
+
+
+def test_reset_refused_while_running_then_clears(llm):
+    llm.generate("warm the cache with this prompt " * 4, SamplingParams(max_tokens=1))
+    llm.engine.add_request("a request that will be running " * 3, SamplingParams(max_tokens=4), request_id="r1")
+    llm.engine.step()
+    assert llm.reset_prefix_cache() is False and llm.engine.pool.cached
+    while llm.engine.has_unfinished_requests():
+        llm.engine.step()
+    assert llm.reset_prefix_cache() is True and not llm.engine.pool.cached
+    st = llm.get_stats()
+    assert st.kv_cache_usage == 0 and st.num_cached_blocks == 0 and st.kv_bytes_per_token == 2 * 30 * 3 * 64 * 4
+
+
+@pytest.mark.parametrize(
+    "prompt, params, message",
+    [
+        ("", SamplingParams(), "empty"),
+        ([1, 2, 10**9], SamplingParams(), "token ids"),
+        ({"prompt": "hi", "cache_salt": 5}, SamplingParams(), "cache_salt"),
+        ({"prompt": "hi", "colour": "red"}, SamplingParams(), "unknown"),
+        ([7] * 9000, SamplingParams(), "context"),
+        (3.5, SamplingParams(), "prompt must be"),
+    ],
+)
+def test_bad_requests_change_nothing(llm, prompt, params, message):
+    before = (len(llm.engine.requests), llm.engine.pool.num_free_blocks, len(llm.engine.scheduler.waiting))
+    with pytest.raises(ValueError, match=message):
+        llm.engine.add_request(prompt, params)
+    assert before == (len(llm.engine.requests), llm.engine.pool.num_free_blocks, len(llm.engine.scheduler.waiting))
+
+
+@pytest.mark.parametrize(
+    "kwargs", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(n=2), dict(logprobs=99)]
+)
+def test_sampling_params_validate(kwargs):
+    with pytest.raises(ValueError):
+        SamplingParams(**kwargs)
+
+
+def test_logprobs_are_returned(llm):
+    out = llm.generate("The sky is", SamplingParams(temperature=0.0, max_tokens=3, logprobs=2))[0]
+    assert len(out.logprobs) == 3
+    for tok, lp in zip(out.token_ids, out.logprobs):
+        assert tok in lp and max(lp.values()) == lp[tok] <= 0.0
+
+
+def test_safetensors_folder_matches_transformers(tmp_path, tokenizer):
+    """Any local Llama checkpoint loads through the same path: a tiny random one here."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False)
+    ref = LlamaForCausalLM(cfg).eval()
+    ref.save_pretrained(tmp_path, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 2
+    llm = LLM(model=str(tmp_path), dtype="float32", device="cpu", num_kv_blocks=32)
+    ids = list(range(100, 140))
+    logits = {}
+    run = llm.engine.runner.execute
+
+    def keep(batch):
+        result = run(batch)
+        logits[len(logits)] = result.logits[0].clone()
+        return result
+
+    llm.engine.runner.execute = keep
+    out = llm.generate([ids], SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True))[0]
+    with torch.no_grad():
+        full = ref(torch.tensor([ids + out.token_ids])).logits[0]
+    for step in range(3):
+        assert (logits[step] - full[len(ids) - 1 + step]).abs().max() < 1e-4
+    assert out.token_ids[0] == int(full[len(ids) - 1].argmax())
