@@ -17,9 +17,10 @@ def rss_bytes() -> int:
 
 
 class PeakRSS:
-    """``with PeakRSS() as p: ...`` then ``p.peak``; samples every ``interval`` seconds."""
+    """``with PeakRSS() as p: ...`` then ``p.peak``; samples every ``interval`` seconds
+    (sparsely, so the sampling thread barely competes with the engine for the GIL)."""
 
-    def __init__(self, interval: float = 0.005) -> None:
+    def __init__(self, interval: float = 0.02) -> None:
         self.interval = interval
         self.peak = 0
         self._stop = threading.Event()

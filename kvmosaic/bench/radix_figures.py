@@ -107,13 +107,14 @@ def section_lpm(args) -> None:
     print("\n## Hit rate, LPM vs FCFS, multi-tenant under cache pressure")
     print("8 tenants (system prompts 150-400 tokens), 160 requests interleaved at random, "
           "max_num_seqs 4, 8 output tokens, block 16")
-    print("| pool (blocks) | backend | FCFS hit rate | LPM hit rate | steps FCFS / LPM |")
-    print("|---|---|---|---|---|")
+    print("| pool (blocks) | backend | FCFS hit rate | LPM hit rate | steps FCFS / LPM | LPM: most later arrivals admitted ahead of one request |")
+    print("|---|---|---|---|---|---|")
     for blocks in (48, 96, 160):
         for backend in ("hash", "radix"):
             f = simulate(prompts, backend, "fcfs", blocks)
             lpm = simulate(prompts, backend, "lpm", blocks)
-            print(f"| {blocks} | {backend} | {f.hit_rate:.1%} | {lpm.hit_rate:.1%} | {f.steps} / {lpm.steps} |")
+            print(f"| {blocks} | {backend} | {f.hit_rate:.1%} | {lpm.hit_rate:.1%} | {f.steps} / {lpm.steps} "
+                  f"| {lpm.max_wait_rounds} |")
 
 
 # ---- lookup CPU time -----------------------------------------------------------------------
@@ -244,7 +245,7 @@ def section_cow(args) -> None:
     print(f"copy of one block's KV (30 layers, 15 slots): {copy_ms:.3f} ms; "
           f"prefill after a 160-token hit: {per[1]:.0f} ms for 1 token, {per[16]:.0f} ms for 16 "
           f"(~{per_token:.2f} ms per extra token); threads {torch.get_num_threads()}")
-    print(f"copying pays when it saves more than {copy_ms / max(per_token, 1e-9):.2f} token(s) of prefill")
+    print(f"copying pays when it saves more than {copy_ms / max(per_token, 1e-9):.3f} token(s) of prefill")
 
 
 SECTIONS = {"lookup": section_lookup, "lpm": section_lpm, "cow": section_cow, "reuse": section_reuse}

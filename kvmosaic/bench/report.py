@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from .summary import PeerSummary
-from .summary import __doc__ as SUMMARY_DOC
+from .summary import DEFINITIONS, PeerSummary
 from .targets import Check
 
 COLUMNS = ("workload", "engine", "reqs", "prompt tok", "reused tok", "TTFT p50 ms", "TTFT p99 ms",
@@ -41,6 +40,6 @@ def render(rows: list[PeerSummary], checks: list[Check], header: dict[str, str],
     parts += [f"- {k}: {v}" for k, v in header.items()]
     parts += [f"- skipped: {s}" for s in skipped]
     parts += ["", table(rows), "", "## Targets (issue 5)", "", targets_section(checks), "",
-              "## Definitions", "", SUMMARY_DOC.split("\n\n", 1)[1].strip(), ""]
+              "## Definitions", "", DEFINITIONS, ""]
     parts += [f"![{p}]({p})" for p in plots]
     return "\n".join(parts) + "\n"

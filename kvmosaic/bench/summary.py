@@ -1,14 +1,5 @@
 """Per workload and peer: tokens reused, TTFT percentiles, end-to-end time, throughput, memory,
-and the ratios of the reference kvmosaic configuration to each peer.
-
-Definitions (also printed under the table):
-- *hits*: requests whose prompt shares at least ``HIT_MIN_TOKENS`` leading tokens with an
-  earlier prompt (plus its generated tokens) of the same workload — the requests a prefix cache
-  can serve; "TTFT p50 hits" is over those.
-- *throughput*: (prompt + generated tokens) / sum of end-to-end times, requests run one at a time.
-- *x kvmosaic*: throughput of the reference divided by the peer's, and the peer's TTFT p50 on hits
-  divided by the reference's: above 1 means kvmosaic is faster.
-"""
+and the ratios of the reference kvmosaic configuration to each peer (see ``DEFINITIONS``)."""
 
 from __future__ import annotations
 
@@ -19,6 +10,23 @@ import numpy as np
 from .runner import RequestRecord, WorkloadRun
 
 HIT_MIN_TOKENS = 16
+
+DEFINITIONS = f"""\
+- *hits*: requests whose prompt shares at least {HIT_MIN_TOKENS} leading tokens with an earlier
+  prompt (plus its generated tokens) of the same workload, on the same engine: the requests a
+  prefix cache can serve. "TTFT p50 hits" is over those.
+- *TTFT*: from the call to the first generated token being available to Python (kvmosaic: the
+  engine step that returns it; transformers: prefill forward + argmax; llama-cpp-python: its
+  sampler returning the first token). Requests run one at a time, greedy, exactly the workload's
+  number of output tokens (EOS does not stop them).
+- *reused tok*: prompt tokens the engine did not prefill, as it reports them (llama-cpp-python:
+  the longer of its live context's and its RAM cache's common prefix with the prompt).
+- *tok/s*: (prompt + generated tokens) / sum of end-to-end times.
+- *peak MB*: the engine's worker process (one per engine), peak RSS during the workload minus
+  its RSS before the model was loaded: weights, KV caches (kvmosaic preallocates its KV pool),
+  activations.
+- *kvmosaic x*: the reference's throughput divided by this engine's, and this engine's TTFT p50
+  on hits divided by the reference's: above 1 means kvmosaic is faster."""
 
 
 @dataclass

@@ -48,9 +48,9 @@ class Sizes:
     noise_words: int
 
 
-FULL = Sizes(requests=8, system_words=400, max_tokens=8, tenants=3, conversations=2, turns=4,
-             answer_tokens=24, examples=16, pool_docs=6, docs_per_prompt=3, doc_words=90,
-             noise_words=260)
+FULL = Sizes(requests=6, system_words=320, max_tokens=8, tenants=3, conversations=2, turns=3,
+             answer_tokens=16, examples=14, pool_docs=6, docs_per_prompt=3, doc_words=80,
+             noise_words=240)
 QUICK = Sizes(requests=2, system_words=40, max_tokens=2, tenants=2, conversations=1, turns=2,
               answer_tokens=3, examples=3, pool_docs=3, docs_per_prompt=2, doc_words=15,
               noise_words=30)
@@ -69,7 +69,7 @@ def shared_system_prompt(rng: random.Random, s: Sizes) -> Workload:
 
 def multi_tenant(rng: random.Random, s: Sizes) -> Workload:
     systems = [text.system_prompt(rng, s.system_words) for _ in range(s.tenants)]
-    n = s.requests + s.tenants * (s.requests // 4 + 1)
+    n = s.tenants * max(2, s.requests // 2)
     reqs = tuple(_chat(systems[i % s.tenants], text.question(rng), s.max_tokens) for i in range(n))
     return Workload("multi-tenant", f"{s.tenants} system prompts, requests interleaved round robin", reqs)
 

@@ -1,0 +1,88 @@
+"""Fast checks of the benchmark's pieces (no model is loaded)."""
+
+from __future__ import annotations
+
+import torch
+
+from kvmosaic.bench.benchmarks_md import SECTION, replace_section
+from kvmosaic.bench.hf_prompt_cache import PromptCacheStore, common_prefix_len
+from kvmosaic.bench.peers import unavailable_reason
+from kvmosaic.bench.summary import pick_reference
+from kvmosaic.bench.workloads import BUILDERS, build
+
+
+def test_workloads_are_deterministic_and_seeded():
+    for name in BUILDERS:
+        assert build(name, 7) == build(name, 7)
+        assert build(name, 7) != build(name, 8)
+        assert build(name, 7, quick=True).requests
+
+
+def test_shared_prefix_workloads_share_their_system_prompt():
+    wl = build("shared-system-prompt", 0)
+    assert len({r.messages[0]["content"] for r in wl.requests}) == 1
+    assert len({r.messages[1]["content"] for r in wl.requests}) == len(wl.requests)
+    tenants = {r.messages[0]["content"] for r in build("multi-tenant", 0).requests}
+    assert len(tenants) > 1
+
+
+def test_no_reuse_prompts_start_differently():
+    firsts = [r.text.split()[:3] for r in build("no-reuse", 0).requests]
+    assert len({tuple(f) for f in firsts}) == len(firsts)
+
+
+def test_multi_turn_later_turns_continue_a_conversation():
+    reqs = build("multi-turn", 0).requests
+    later = [r for r in reqs if len(r.messages) == 1]
+    assert later and all(r.conversation for r in later)
+
+
+class _FakeCache:
+    def __init__(self, n):
+        self.n = n
+
+    def get_seq_length(self):
+        return self.n
+
+    def crop(self, k):
+        assert k < 0
+        self.n += k
+
+
+def test_prompt_cache_store_finds_longest_prefix_and_crops():
+    store = PromptCacheStore(bytes_per_token=1)
+    store.insert([1, 2, 3, 4, 5], _FakeCache(5))
+    store.insert([1, 2, 9, 9], _FakeCache(4))
+    cache, n = store.lookup([1, 2, 3, 4, 7, 8])
+    assert n == 4 and cache.n == 4
+    cache, n = store.lookup([1, 2, 3])
+    assert n == 2  # the last prompt token is always computed
+    assert store.lookup([5, 6]) == (None, 0)
+    store.insert([1, 2, 3, 4, 5, 6], _FakeCache(6))  # extends, so replaces, the first entry
+    assert (1, 2, 3, 4, 5) not in store.entries
+
+
+def test_prompt_cache_store_respects_its_budget():
+    store = PromptCacheStore(bytes_per_token=10, capacity_bytes=100)
+    store.insert(list(range(6)), _FakeCache(6))
+    store.insert(list(range(100, 106)), _FakeCache(6))
+    assert list(store.entries) == [tuple(range(100, 106))]
+
+
+def test_common_prefix_len():
+    assert common_prefix_len([1, 2, 3], [1, 2, 4]) == 2
+    assert common_prefix_len(torch.tensor([1]).tolist(), []) == 0
+
+
+def test_replace_section_keeps_other_sections():
+    doc = "# Benchmarks\n\n## Other\n\nkeep me\n"
+    once = replace_section(doc, SECTION, "table v1")
+    assert "keep me" in once and "table v1" in once
+    twice = replace_section(once + "\n## Later\n\nalso kept\n", SECTION, "table v2")
+    assert "table v1" not in twice and "table v2" in twice and "also kept" in twice and "keep me" in twice
+
+
+def test_unknown_peer_and_reference():
+    assert "unknown peer" in unavailable_reason("nope")
+    assert unavailable_reason("kvmosaic-hash") is None
+    assert pick_reference(["transformers", "kvmosaic-none", "kvmosaic-radix"], "kvmosaic-hash") == "kvmosaic-radix"
