@@ -136,3 +136,15 @@ def test_safetensors_folder_matches_transformers(tmp_path, tokenizer):
     for step in range(3):
         assert (logits[step] - full[len(ids) - 1 + step]).abs().max() < 1e-4
     assert out.token_ids[0] == int(full[len(ids) - 1].argmax())
+
+
+def test_a_request_the_pool_cannot_hold_ends_with_length():
+    llm = make_llm(num_kv_blocks=6, block_size=4)  # 24 token slots in all
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    outs = llm.generate([list(range(100, 110)), list(range(200, 210))], params)
+    for out in outs:
+        assert out.finish_reason == "length" and 0 < len(out.token_ids) < 40
+    assert max(len(o.prompt_token_ids) + len(o.token_ids) for o in outs) <= 25
+    st = llm.get_stats()
+    assert st.num_preemptions > 0 and st.kv_cache_usage == 0 and not llm.engine.requests
+    llm.engine.pool.check_invariants()

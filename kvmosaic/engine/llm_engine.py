@@ -179,21 +179,31 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
-        if not sched.scheduled:
-            return []
+        outputs = [self._retire(seq) for seq in sched.out_of_memory]
+        if sched.scheduled:
+            result = self._execute(sched)
+            self.scheduler.update(sched)
+            outputs += self._process_samples(result)
+        return outputs
+
+    def _execute(self, sched: SchedulerOutput) -> StepResult:
         copies = self.cache.take_pending_copies()
         if copies:
             self.kv.copy_blocks([(c.src, c.dst, c.num_tokens) for c in copies])
         batch = [(s, self.cache.block_table(s.seq.request_id)) for s in sched.scheduled]
-        batch, blend = self.segment_reuse.split(batch, self.cache) if self.segment_reuse.enabled else (batch, [])
-        result = self.runner.execute(batch) if batch else StepResult(torch.empty(0, self.model_config.vocab_size, device=self.device), [])
-        if blend:  # segment reuse: one blend forward per newly admitted segmented prompt
-            result = StepResult(torch.cat((result.logits, self.segment_reuse.run(blend, self.cache))),
-                                result.sampling + [s for s, _ in blend])
-        self.scheduler.update(sched)
-        return self._process_samples(sched, result)
+        if not self.segment_reuse.enabled:
+            return self.runner.execute(batch)
+        # Segment reuse: one blend forward per newly admitted segmented prompt.
+        batch, blend = self.segment_reuse.split(batch, self.cache)
+        result = self.runner.execute(batch) if batch else None
+        if not blend:
+            return result
+        blended = StepResult(self.segment_reuse.run(blend, self.cache), [s for s, _ in blend])
+        if result is None:
+            return blended
+        return StepResult(torch.cat((result.logits, blended.logits)), result.sampling + blended.sampling)
 
-    def _process_samples(self, sched: SchedulerOutput, result) -> list[RequestOutput]:
+    def _process_samples(self, result: StepResult) -> list[RequestOutput]:
         seqs = [s.seq for s in result.sampling]
         if not seqs:
             return []
@@ -212,11 +222,17 @@ class LLMEngine:
                 seq.output_logprobs.append(lp)
             self._check_stop(seq, tok)
             if seq.finish_reason is not None:
-                seq.finish_time = now
                 self.scheduler.finish(seq, seq.finish_reason)
-                self.requests.pop(seq.request_id, None)
-            outputs.append(self.make_output(seq))
+                outputs.append(self._retire(seq))
+            else:
+                outputs.append(self.make_output(seq))
         return outputs
+
+    def _retire(self, seq: Sequence) -> RequestOutput:
+        """A finished sequence (its blocks already freed by the scheduler) leaves the engine."""
+        seq.finish_time = time.perf_counter()
+        self.requests.pop(seq.request_id, None)
+        return self.make_output(seq)
 
     def _check_stop(self, seq: Sequence, tok: int) -> None:
         p = seq.params

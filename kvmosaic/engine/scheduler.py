@@ -42,6 +42,8 @@ class ScheduledSeq:
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    # Sequences the whole pool cannot hold any longer: they end with finish reason "length".
+    out_of_memory: list[Sequence] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -80,11 +82,13 @@ class Scheduler:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
         queue = list(self.running)
-        scheduled_ids: set[str] = set()
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed, budget)
             while self.kv.allocate_slots(seq, seq.num_computed_tokens + n) is None:
+                if self.running == [seq]:  # alone and still too big: it can never continue
+                    self._drop(seq, out)
+                    break
                 victim = queue.pop() if queue else seq
                 self._preempt(victim)
                 out.preempted.append(victim)
@@ -92,9 +96,8 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledSeq(seq, n))
-                scheduled_ids.add(seq.request_id)
                 budget -= n
-        if out.preempted:
+        if out.preempted or out.out_of_memory:
             return out
         self._order_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -102,6 +105,10 @@ class Scheduler:
             match = self.kv.match_prefix(seq)
             n = min(seq.num_tokens - match.num_tokens, budget)
             if self.kv.allocate_slots(seq, match.num_tokens + n, match) is None:
+                if not self.running:  # the whole pool is free for it and still too small
+                    self.waiting.popleft()
+                    self._drop(seq, out)
+                    continue
                 break
             self.waiting.popleft()
             self._admit(seq, match)
@@ -117,6 +124,10 @@ class Scheduler:
         seq.status = SequenceStatus.RUNNING
         self.skips.pop(seq.request_id, None)
         self.running.append(seq)
+
+    def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.finish(seq, "length")
+        out.out_of_memory.append(seq)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
