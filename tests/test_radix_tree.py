@@ -228,3 +228,18 @@ def test_reset_refused_while_running():
     mgr.free(a)
     assert mgr.reset_prefix_cache()
     assert mgr.size_info().free == 16
+
+
+def test_short_partial_blocks_are_recomputed_below_min_cow_tokens():
+    from kvmosaic.cache.block_pool import BlockPool
+    from kvmosaic.cache.radix import RadixCacheManager
+
+    mgr = RadixCacheManager(BlockPool(32, BS), b"s", min_cow_tokens=3)
+    kv = FakeKV(BS)
+    a = FakeReq("a", list(range(12)))
+    assert admit(mgr, kv, a)
+    mgr.free(a)
+    two = FakeReq("two", list(range(6)) + [50, 51])  # 2 tokens into block 1: recomputed
+    assert admit(mgr, kv, two) and two.num_hit == 4 and mgr.num_cow_copies == 0
+    three = FakeReq("three", list(range(7)) + [60])  # 3 tokens into block 1: copied
+    assert admit(mgr, kv, three) and three.num_hit == 7 and mgr.num_cow_copies == 1

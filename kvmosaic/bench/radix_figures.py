@@ -5,7 +5,7 @@
 
 Sections:
 
-* ``reuse``: multi-turn and shared-system-prompt workloads with prompts of irregular lengths
+* ``reuse`` / ``multiturn``: shared-system-prompt and multi-turn workloads with prompts of irregular lengths
   on the shipped model (float32, CPU): tokens reused by the hash and the radix backends and
   the TTFT that follows (requests one at a time, so TTFT is the prefill of what was missed);
 * ``cow``: what a copy-on-write of a partial block costs against recomputing its tokens;
@@ -185,7 +185,7 @@ def run_requests(llm, prompts: list[list[int]], max_tokens: int = 4) -> tuple[Re
         outs.append(o)
         ttfts.append(o.metrics["ttft"])
     return ReuseRun(sum(o.num_cached_tokens for o in outs), sum(len(p) for p in prompts),
-                    statistics.median(ttfts[1:]) * 1e3), outs
+                    statistics.median(ttfts[1:] or ttfts) * 1e3), outs
 
 
 def shared_system_prompts(rng: random.Random) -> list[list[int]]:
@@ -201,6 +201,11 @@ def section_reuse(args) -> None:
         llm = _llm(backend)
         r, _ = run_requests(llm, shared_system_prompts(random.Random(2)))
         print(f"| shared system prompt (203 tok + 3-29) | {backend} | {r.prompt_tokens} | {r.cached} | {r.ttft_ms:.0f} |")
+
+
+def section_multiturn(args) -> None:
+    print("\n| workload | backend | prompt tokens | reused | median TTFT of turns 2-3 (ms) |")
+    print("|---|---|---|---|---|")
     for backend in ("none", "hash", "radix"):
         llm = _llm(backend)
         rng = random.Random(3)
@@ -248,7 +253,8 @@ def section_cow(args) -> None:
     print(f"copying pays when it saves more than {copy_ms / max(per_token, 1e-9):.3f} token(s) of prefill")
 
 
-SECTIONS = {"lookup": section_lookup, "lpm": section_lpm, "cow": section_cow, "reuse": section_reuse}
+SECTIONS = {"lookup": section_lookup, "lpm": section_lpm, "cow": section_cow, "reuse": section_reuse,
+            "multiturn": section_multiturn}
 
 
 def main(argv: list[str] | None = None) -> int:

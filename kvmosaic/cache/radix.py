@@ -28,8 +28,10 @@ from .manager import CacheRequest, CacheSizeInfo, KVCacheManager, MatchResult, P
 from .radix_tree import RadixNode, RadixTree
 
 # Below this many tokens a partial block is recomputed rather than copied. Measured with
-# ``python -m kvmosaic.bench.radix_figures --cow`` (float32, CPU): copying a block's KV
-# costs about as much as recomputing ~1 token, so copying pays from the first token.
+# ``python -m kvmosaic.bench.radix_figures --only cow`` (float32, 2 shared CPU cores): one
+# block copy (30 layers) takes ~0.1 ms, one more prefill token ~3-60 ms, so copying pays
+# from the first token. Raise it where a copy is dear relative to compute (e.g. a KV pool
+# in a slower tier).
 DEFAULT_MIN_COW_TOKENS = 1
 
 
@@ -145,6 +147,8 @@ class RadixCacheManager(KVCacheManager):
     def pin_prefix(
         self, token_ids: Sequence[int], cache_salt: str | None = None, adapter_id: str | None = None
     ) -> PinResult:
+        """Lock the cached part of the prefix. The budget is the pool's, in tokens:
+        ``max_pinned_blocks * block_size``, counting each pin in full (overlaps included)."""
         tm = self.tree.match(self.namespace(cache_salt, adapter_id), token_ids)
         if tm.node is None or tm.num_tokens == 0:
             return PinResult(None, 0, 0)
