@@ -97,10 +97,12 @@ class BlockHasher:
         self.adapter_id = adapter_id
         self.hashes: list[BlockHash] = []
 
-    def update(self, token_ids: Sequence[int]) -> list[BlockHash]:
-        """Hash every full block of ``token_ids`` not hashed yet; returns the whole chain."""
+    def update(self, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
+        """Hash every full block of the first ``num_tokens`` (default: all) of ``token_ids``
+        not hashed yet; returns the whole chain. Amortised O(new tokens) per call."""
         bs = self.block_size
-        for i in range(len(self.hashes), len(token_ids) // bs):
+        n = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
+        for i in range(len(self.hashes), n // bs):
             parent = self.hashes[-1] if self.hashes else self.seed
             extra = extra_keys_for_block(i, self.cache_salt, self.adapter_id)
             self.hashes.append(hash_block(self.hash_fn, parent, token_ids[i * bs : (i + 1) * bs], extra))

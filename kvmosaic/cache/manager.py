@@ -233,7 +233,7 @@ class HashCacheManager(KVCacheManager):
             return
         blocks = self.req_blocks[req.request_id]
         tokens = req.all_token_ids
-        hashes = self.hasher(req).update(tokens[:num_computed_tokens])
+        hashes = self.hasher(req).update(tokens, num_computed_tokens)
         start = self.num_committed.get(req.request_id, 0)
         end = min(num_computed_tokens // self.block_size, len(blocks))
         bs = self.block_size
