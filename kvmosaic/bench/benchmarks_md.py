@@ -7,6 +7,16 @@ from pathlib import Path
 
 SECTION = "## Peers and workloads (issue 5)"
 
+INTRO = """\
+`kvmosaic bench` (code in `kvmosaic/bench/`) runs each engine in its own worker process, loaded
+once, on the same prompt token ids; requests go one at a time, interleaved engine by engine
+(A B C, then B C A, ...), so machine drift falls on every engine alike and cancels in the ratios.
+The workloads are generated from the seed (text written by the project, no datasets). Plots and
+the table below are written by the command shown; `results/` holds the latest run's
+`bench.md`, `bench.json` (every request) and PNGs.
+
+"""
+
 
 def replace_section(document: str, heading: str, body: str) -> str:
     """``document`` with the section under ``heading`` (up to the next ``## `` heading) replaced
@@ -22,10 +32,16 @@ def replace_section(document: str, heading: str, body: str) -> str:
     return "".join(lines[:start]) + block + ("\n" + tail if tail else "")
 
 
-def publish(md_path: Path, body: str, plots: list[Path], plot_dir: Path) -> None:
-    """Copy ``plots`` to ``plot_dir`` and write ``body`` as this benchmark's section."""
+def publish(md_path: Path, report_md: str, plots: list[Path]) -> Path:
+    """Copy ``plots`` to ``docs/bench/`` beside ``md_path`` and write the report (its title
+    dropped, its headings one level down, plot links pointing there) as this benchmark's
+    section. Returns the plot folder."""
+    plot_dir = md_path.parent / "docs" / "bench"
     plot_dir.mkdir(parents=True, exist_ok=True)
+    body = INTRO + report_md.split("\n", 2)[2].replace("\n## ", "\n### ")
     for p in plots:
         shutil.copy2(p, plot_dir / p.name)
+        body = body.replace(f"]({p.name})", f"](docs/bench/{p.name})")
     doc = md_path.read_text() if md_path.exists() else "# Benchmarks\n"
     md_path.write_text(replace_section(doc, SECTION, body))
+    return plot_dir

@@ -45,6 +45,8 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--quick"] if args.quick else []
     parts += ["--threads", str(args.threads)] if args.threads else []
     parts += ["--model", args.model] if args.model else []
+    parts += ["--out", args.out] if args.out != "results" else []
+    parts += ["--benchmarks-md", args.benchmarks_md] if args.benchmarks_md else []
     return " ".join(parts)
 
 
@@ -117,11 +119,7 @@ def run(args: argparse.Namespace) -> int:
                                                 "records": [asdict(r) for r in records]}, indent=1))
     print(md)
     if args.benchmarks_md:
-        md_path = Path(args.benchmarks_md)
-        plot_dir = md_path.parent / "docs" / "bench"
-        body = md.split("\n", 2)[2].replace("](ttft_vs_prefix.png)", "](docs/bench/ttft_vs_prefix.png)")
-        body = body.replace("](throughput.png)", "](docs/bench/throughput.png)").replace("\n## ", "\n### ")
-        publish(md_path, body, pngs, plot_dir)
-        print(f"updated {md_path} and {plot_dir}/")
+        plot_dir = publish(Path(args.benchmarks_md), md, pngs)
+        print(f"updated {args.benchmarks_md} and {plot_dir}/")
     print(f"wrote {out}/bench.md, bench.json, {', '.join(p.name for p in pngs)}")
     return 0

@@ -13,7 +13,7 @@ from .peers import Generation, PeerSettings, clock
 
 
 class LlamaCppPeer:
-    def __init__(self, settings: PeerSettings, n_ctx: int = 4096) -> None:
+    def __init__(self, settings: PeerSettings, n_ctx: int = 2048) -> None:
         from llama_cpp import Llama
 
         from kvmosaic.model.loader import shipped_model_path
