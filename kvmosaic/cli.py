@@ -1,4 +1,4 @@
-"""``kvmosaic serve | generate | demo | bench | explain | route``.
+"""``kvmosaic serve | demo | generate | bench | explain``.
 
 Each subcommand lives in its own module, which provides ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only wires them up (imports stay lazy so ``--help`` is fast).
@@ -16,7 +16,6 @@ COMMANDS = {
     "serve": ("kvmosaic.server.cli", "OpenAI-compatible HTTP server"),
     "bench": ("kvmosaic.bench.cli", "benchmarks against peers, with plots"),
     "explain": ("kvmosaic.explain", "where and why two prompts (or a prompt and a cache) diverge"),
-    "route": ("kvmosaic.server.router", "prefix-aware router across replicas"),
 }
 
 
