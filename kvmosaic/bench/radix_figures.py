@@ -170,22 +170,30 @@ def _llm(backend: str, **kw):
     return LLM(dtype="float32", device="cpu", prefix_cache=backend, num_kv_blocks=512, **kw)
 
 
+BACKENDS = ("none", "hash", "radix")
+
+
 @dataclass
-class ReuseRun:
-    cached: int
-    prompt_tokens: int
-    ttft_ms: float
+class Tally:
+    prompt_tokens: int = 0
+    reused: int = 0
+    ttfts: list[float] | None = None
+
+    def add(self, prompt_len: int, out, count_ttft: bool) -> None:
+        self.prompt_tokens += prompt_len
+        self.reused += out.num_cached_tokens
+        if count_ttft:
+            self.ttfts = (self.ttfts or []) + [out.metrics["ttft"]]
+
+    def row(self, workload: str, backend: str) -> str:
+        ttft = statistics.median(self.ttfts) * 1e3 if self.ttfts else float("nan")
+        return f"| {workload} | {backend} | {self.prompt_tokens} | {self.reused} | {ttft:.0f} |"
 
 
-def run_requests(llm, prompts: list[list[int]], max_tokens: int = 4) -> tuple[ReuseRun, list]:
+def _one(llm, prompt: list[int], max_tokens: int):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outs, ttfts = [], []
-    for p in prompts:  # one at a time: TTFT is the prefill of what the cache missed
-        (o,) = llm.generate([p], params)
-        outs.append(o)
-        ttfts.append(o.metrics["ttft"])
-    return ReuseRun(sum(o.num_cached_tokens for o in outs), sum(len(p) for p in prompts),
-                    statistics.median(ttfts[1:] or ttfts) * 1e3), outs
+    (out,) = llm.generate([prompt], params)
+    return out
 
 
 def shared_system_prompts(rng: random.Random) -> list[list[int]]:
@@ -193,35 +201,40 @@ def shared_system_prompts(rng: random.Random) -> list[list[int]]:
     return [system + rand_tokens(rng, rng.randint(3, 29)) for _ in range(7)]
 
 
-def section_reuse(args) -> None:
-    print("\n## Tokens reused and TTFT, shipped model, float32, CPU (requests one at a time)")
-    print("| workload | backend | prompt tokens | reused | median TTFT after the first (ms) |")
+def _header(ttft_label: str) -> None:
+    print(f"| workload | backend | prompt tokens | reused | {ttft_label} |")
     print("|---|---|---|---|---|")
-    for backend in ("none", "hash", "radix"):
-        llm = _llm(backend)
-        r, _ = run_requests(llm, shared_system_prompts(random.Random(2)))
-        print(f"| shared system prompt (203 tok + 3-29) | {backend} | {r.prompt_tokens} | {r.cached} | {r.ttft_ms:.0f} |")
+
+
+def section_reuse(args) -> None:
+    """Requests one at a time; the backends take turns on each request, so that they see
+    the same machine load (these machines are shared and noisy)."""
+    print("\n## Tokens reused and TTFT, shipped model, float32, CPU (requests one at a time)")
+    _header("median TTFT after the first request (ms)")
+    llms = {b: _llm(b) for b in BACKENDS}
+    tallies = {b: Tally() for b in BACKENDS}
+    for i, p in enumerate(shared_system_prompts(random.Random(2))):
+        for b in BACKENDS:
+            tallies[b].add(len(p), _one(llms[b], p, 4), count_ttft=i > 0)
+    for b in BACKENDS:
+        print(tallies[b].row("shared system prompt (203 tok + 3-29)", b))
 
 
 def section_multiturn(args) -> None:
-    print("\n| workload | backend | prompt tokens | reused | median TTFT of turns 2-3 (ms) |")
-    print("|---|---|---|---|---|")
-    for backend in ("none", "hash", "radix"):
-        llm = _llm(backend)
-        rng = random.Random(3)
-        cached = total = 0
-        ttfts = []
-        for conv in range(2):
-            history = rand_tokens(rng, rng.randint(40, 90))
-            for turn in range(3):
-                r, (o,) = run_requests(llm, [history], max_tokens=8)
-                if turn:
-                    ttfts.append(o.metrics["ttft"])
-                cached += r.cached
-                total += r.prompt_tokens
-                history = history + o.token_ids + rand_tokens(rng, rng.randint(5, 23))
-        print(f"| multi-turn (2 conv x 3 turns, 8-token answers) | {backend} | {total} | {cached} | "
-              f"{statistics.median(ttfts) * 1e3:.0f} |")
+    _header("median TTFT of turns 2-3 (ms)")
+    llms = {b: _llm(b) for b in BACKENDS}
+    tallies = {b: Tally() for b in BACKENDS}
+    rng = random.Random(3)
+    for conv in range(2):
+        history = rand_tokens(rng, rng.randint(40, 90))
+        for turn in range(3):
+            outs = {b: _one(llms[b], history, 8) for b in BACKENDS}
+            for b in BACKENDS:
+                tallies[b].add(len(history), outs[b], count_ttft=turn > 0)
+            assert len({tuple(o.token_ids) for o in outs.values()}) == 1, "backends disagree"
+            history = history + outs["none"].token_ids + rand_tokens(rng, rng.randint(5, 23))
+    for b in BACKENDS:
+        print(tallies[b].row("multi-turn (2 conv x 3 turns, 8-token answers)", b))
 
 
 def section_cow(args) -> None:
@@ -229,11 +242,12 @@ def section_cow(args) -> None:
 
     llm = _llm("hash", block_size=16)
     kv = llm.engine.kv
-    reps = 200
-    t = time.perf_counter()
-    for _ in range(reps):
+    copies = []
+    for _ in range(200):
+        t = time.perf_counter()
         kv.copy_blocks([(1, 2, 15)])
-    copy_ms = (time.perf_counter() - t) / reps * 1e3
+        copies.append(time.perf_counter() - t)
+    copy_ms, copy_min = statistics.median(copies) * 1e3, min(copies) * 1e3
     rng = random.Random(4)
     base = rand_tokens(rng, 160)
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
@@ -247,7 +261,8 @@ def section_cow(args) -> None:
         per[extra] = statistics.median(ts) * 1e3
     per_token = (per[16] - per[1]) / 15
     print("\n## Copy-on-write of a partial block vs recomputing it (float32, CPU)")
-    print(f"copy of one block's KV (30 layers, 15 slots): {copy_ms:.3f} ms; "
+    print(f"copy of one block's KV (30 layers, 15 slots, median of 200): {copy_ms:.3f} ms "
+          f"(fastest {copy_min:.3f}); "
           f"prefill after a 160-token hit: {per[1]:.0f} ms for 1 token, {per[16]:.0f} ms for 16 "
           f"(~{per_token:.2f} ms per extra token); threads {torch.get_num_threads()}")
     print(f"copying pays when it saves more than {copy_ms / max(per_token, 1e-9):.3f} token(s) of prefill")
