@@ -90,6 +90,8 @@ class RadixCacheManager(KVCacheManager):
     ) -> list[int] | None:
         rid = req.request_id
         first = rid not in self.req_blocks
+        if first and match is not None and match.num_tokens and not isinstance(match, RadixMatch):
+            raise TypeError("a radix hit must come from RadixCacheManager.match_prefix (it names the node to lock)")
         node = match.node if first and isinstance(match, RadixMatch) else None
         if node is not None:
             self.tree.lock(node)  # before evicting: the match must survive the eviction
