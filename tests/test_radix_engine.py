@@ -104,3 +104,14 @@ def test_partial_block_is_copied_not_recomputed():
     assert llm.engine.cache.num_cow_copies == 1
     ref = make_llm(prefix_cache="none").generate([system + [8, 9]], params)[0]
     assert out.token_ids == ref.token_ids
+
+
+def test_stats_count_tree_blocks_as_cached_not_in_use():
+    from tests.conftest import make_llm
+    from kvmosaic import SamplingParams
+
+    llm = make_llm(prefix_cache="radix", num_kv_blocks=64, block_size=8)
+    llm.generate([list(range(300, 340))], SamplingParams(temperature=0.0, max_tokens=2), priority=3)
+    st = llm.get_stats()
+    assert st.kv_cache_usage == 0.0 and st.num_free_blocks == 64
+    assert st.num_cached_blocks >= 40 // 8

@@ -133,6 +133,10 @@ class KVCacheManager(ABC):
     @abstractmethod
     def size_info(self) -> CacheSizeInfo: ...
 
+    def num_cached_blocks(self) -> int:
+        """Blocks holding KV that a later request can hit (in use or evictable)."""
+        return len(self.pool.cached)
+
     # ---- shared mechanics ----------------------------------------------------------------
     def record_query(self, req: CacheRequest, match: MatchResult) -> None:
         self.stats.requests += 1

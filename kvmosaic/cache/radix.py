@@ -179,6 +179,9 @@ class RadixCacheManager(KVCacheManager):
         total = self.pool.num_blocks
         return CacheSizeInfo(total, free, evictable, total - free - evictable)
 
+    def num_cached_blocks(self) -> int:
+        return len(self.tree.block_refs()[0])
+
     def check_invariants(self) -> None:
         self.pool.check_invariants()
         self.tree.check_invariants()

@@ -26,8 +26,11 @@ class LLM:
         prompts: PromptInput | Seq[PromptInput],
         params: SamplingParams | Seq[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: int | Seq[int] = 0,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in prompt order."""
+        """Run every prompt to completion, batched together; outputs in prompt order.
+        ``priority`` (one, or one per prompt) ranks cached KV under the "priority" eviction
+        policy: a higher value is kept longer."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):
@@ -35,7 +38,11 @@ class LLM:
         params_list = list(params) if isinstance(params, (list, tuple)) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError("pass one SamplingParams, or one per prompt")
-        ids = [self.engine.add_request(p, sp).request_id for p, sp in zip(prompts, params_list)]
+        priorities = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError("pass one priority, or one per prompt")
+        ids = [self.engine.add_request(p, sp, priority=pr).request_id
+               for p, sp, pr in zip(prompts, params_list, priorities)]
         return self._run(ids, use_tqdm)
 
     def chat(

@@ -279,15 +279,15 @@ class LLMEngine:
         return self.cache.reset_prefix_cache()
 
     def get_stats(self) -> EngineStats:
-        st = self.cache.stats
+        st, size = self.cache.stats, self.cache.size_info()
         return EngineStats(
             prefix_cache_queries=st.queries,
             prefix_cache_hits=st.hits,
             prefix_cache_hit_rate=st.hit_rate,
-            kv_cache_usage=self.pool.usage,
-            num_blocks=self.pool.num_blocks,
-            num_free_blocks=self.pool.num_free_blocks,
-            num_cached_blocks=len(self.pool.cached),
+            kv_cache_usage=size.in_use / size.total,
+            num_blocks=size.total,
+            num_free_blocks=size.free + size.evictable,
+            num_cached_blocks=self.cache.num_cached_blocks(),
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.num_preemptions,
