@@ -144,7 +144,8 @@ class LLMEngine:
     ) -> Sequence:
         """Validate and queue a request; raises ValueError (changing nothing) on bad input."""
         params = params or SamplingParams()
-        segmented = parse_segment_prompt(self.tokenizer, prompt) if isinstance(prompt, dict) and "segments" in prompt else None
+        is_segmented = isinstance(prompt, dict) and "segments" in prompt
+        segmented = parse_segment_prompt(self.tokenizer, prompt) if is_segmented else None
         text, ids, salt = self.tokenize(segmented or prompt)
         salt = cache_salt if cache_salt is not None else salt
         if not ids:
