@@ -57,6 +57,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.skips: dict[str, int] = {}
+        self._lpm_previous: dict[str, float] = {}  # waiting request -> arrival, at the last ordering
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -154,7 +155,7 @@ class Scheduler:
         """
         if self.config.policy != "lpm":
             return
-        previous: dict[str, float] = getattr(self, "_lpm_previous", {})
+        previous = self._lpm_previous
         waiting_ids = {s.request_id for s in self.waiting}
         left = sorted(t for rid, t in previous.items() if rid not in waiting_ids)
         for s in self.waiting:
