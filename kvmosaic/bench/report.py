@@ -6,7 +6,7 @@ from .summary import DEFINITIONS, PeerSummary
 from .targets import Check
 
 COLUMNS = ("workload", "engine", "reqs", "prompt tok", "reused tok", "TTFT p50 ms", "TTFT p99 ms",
-           "TTFT p50 hits ms", "e2e s", "tok/s", "peak MB", "kvmosaic x tok/s", "kvmosaic x TTFT hits")
+           "TTFT p50 hits ms", "e2e s", "tok/s", "peak MB", "kvmosaic x tok/s", "kvmosaic x e2e paired", "kvmosaic x TTFT hits")
 
 
 def _ms(v: float | None) -> str:
@@ -23,7 +23,7 @@ def table(rows: list[PeerSummary]) -> str:
         share = f" ({r.reused_tokens / r.prompt_tokens:.0%})" if r.prompt_tokens else ""
         cells = (r.workload, r.peer, str(r.requests), str(r.prompt_tokens), f"{r.reused_tokens}{share}",
                  _ms(r.ttft_p50), _ms(r.ttft_p99), _ms(r.ttft_hit_p50), f"{r.e2e_total:.1f}",
-                 f"{r.throughput:.0f}", f"{r.peak_mb:.0f}", _x(r.throughput_ratio), _x(r.ttft_hit_ratio))
+                 f"{r.throughput:.0f}", f"{r.peak_mb:.0f}", _x(r.throughput_ratio), _x(r.paired_e2e_ratio), _x(r.ttft_hit_ratio))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
