@@ -8,6 +8,7 @@ import torch
 from .config import DTYPES, ModelConfig
 from .llama import LlamaForCausalLM
 from .loader import LoadedWeights, load_weights, shipped_model_path
+from .packed_linear import packing_supported
 
 from .tokenizer import load_tokenizer
 
@@ -26,6 +27,8 @@ def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.
     model.load_hf_tensors(weights.tensors)
     model.to(dtype)
     model.rotary.float()  # RoPE tables stay float32, as in transformers
+    if packing_supported(dtype, torch.device(device)):
+        model.pack_linears()
     return model.eval()
 
 

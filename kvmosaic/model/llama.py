@@ -28,8 +28,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
@@ -101,6 +100,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.packed_head: nn.Module | None = None  # set by pack_linears
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -108,7 +108,24 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, in float32 logits."""
-        return F.linear(self.norm(hidden), self.output_weight).float()
+        head = self.packed_head
+        h = self.norm(hidden)
+        return (head(h) if head is not None else F.linear(h, self.output_weight)).float()
+
+    def pack_linears(self) -> int:
+        """Swap every projection (and the LM head) for a oneDNN pre-packed one where that
+        gives identical results (CPU bfloat16). Returns how many were packed."""
+        from .packed_linear import try_pack
+
+        count = 0
+        for layer in self.layers:
+            for name in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+                packed = try_pack(getattr(layer, name).weight)
+                if packed is not None:
+                    setattr(layer, name, packed)
+                    count += 1
+        self.packed_head = try_pack(self.output_weight)
+        return count + (self.packed_head is not None)
 
     @torch.inference_mode()
     def forward(
