@@ -62,10 +62,14 @@ def paged_attention(
         out[span.start : span.end] = o[0].transpose(0, 1)
     d = meta.decode
     if d is not None:
+        # One query per sequence: CPU kernels are far faster in float32 here (bfloat16 runs
+        # a slow path for q_len == 1), and the context read is small, so upcast.
+        up = torch.float32 if q.device.type == "cpu" else q.dtype
         b, n = d.ctx_slots.shape
-        qd = q.index_select(0, d.token_index).unsqueeze(2)  # [B, H, 1, D]
-        k = k_cache.index_select(0, d.ctx_slots.reshape(-1)).view(b, n, *k_cache.shape[1:]).transpose(1, 2)
-        v = v_cache.index_select(0, d.ctx_slots.reshape(-1)).view(b, n, *v_cache.shape[1:]).transpose(1, 2)
+        slots = d.ctx_slots.reshape(-1)
+        qd = q.index_select(0, d.token_index).unsqueeze(2).to(up)  # [B, H, 1, D]
+        k = k_cache.index_select(0, slots).to(up).view(b, n, *k_cache.shape[1:]).transpose(1, 2)
+        v = v_cache.index_select(0, slots).to(up).view(b, n, *v_cache.shape[1:]).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale, enable_gqa=True)
-        out.index_copy_(0, d.token_index, o.squeeze(2))
+        out.index_copy_(0, d.token_index, o.squeeze(2).to(q.dtype))
     return out
