@@ -243,3 +243,17 @@ def test_short_partial_blocks_are_recomputed_below_min_cow_tokens():
     assert admit(mgr, kv, two) and two.num_hit == 4 and mgr.num_cow_copies == 0
     three = FakeReq("three", list(range(7)) + [60])  # 3 tokens into block 1: copied
     assert admit(mgr, kv, three) and three.num_hit == 7 and mgr.num_cow_copies == 1
+
+
+def test_commit_after_a_split_above_the_anchor():
+    """A request anchored on a node that reaches past its tokens keeps its path when another
+    request splits that node above the anchor's committed tokens (found by the property test)."""
+    mgr, kv = make_manager("radix", 6, BS), FakeKV(BS)
+    long_req, short_req = FakeReq("long", [0, 2]), FakeReq("short", [0])
+    assert admit(mgr, kv, long_req, chunk=1) and step(mgr, kv, long_req, new_token=1, chunk=2)
+    assert admit(mgr, kv, short_req, chunk=1)  # anchored on the node [0, 2, 1]
+    assert admit(mgr, kv, FakeReq("split", [0, 2, 0]), chunk=1)  # splits it after [0, 2]
+    assert step(mgr, kv, short_req, new_token=0, chunk=2)  # [0, 0] diverges inside the parent
+    ns = mgr.namespace(None, None)
+    assert mgr.tree.match(ns, short_req.all_token_ids[:2]).num_tokens == 2
+    mgr.check_invariants()

@@ -122,6 +122,10 @@ class RadixCacheManager(KVCacheManager):
         tokens = req.all_token_ids[:num_computed_tokens]
         anchor = state.node
         start = anchor.parent if anchor is not None else None
+        # The anchor may reach past the committed tokens, and a split since the last commit
+        # may have moved them above its parent: walk up until the path is theirs alone.
+        while start is not None and start.end > state.committed:
+            start = start.parent
         node = self.tree.insert(ns, tokens, self.req_blocks[rid], start, anchor, getattr(req, "priority", 0))
         if node is not anchor:
             self.tree.lock(node)
