@@ -99,7 +99,7 @@ class AsyncEngine:
 
     async def add(
         self,
-        prompt: str | list[int],
+        prompt: str | list[int] | dict,
         make_params: Callable[[int], SamplingParams],
         cache_salt: str | None = None,
     ) -> RequestStream:
@@ -111,7 +111,9 @@ class AsyncEngine:
         def add(engine: LLMEngine) -> None:
             _, ids, _ = engine.tokenize(prompt)
             params = make_params(len(ids))
-            engine.add_request(ids, params, request_id=stream.request_id, cache_salt=cache_salt)
+            segmented = isinstance(prompt, dict)  # its segment spans are needed, not just the ids
+            engine.add_request(prompt if segmented else ids, params, request_id=stream.request_id,
+                               cache_salt=cache_salt)
             self._streams[stream.request_id] = stream
 
         try:

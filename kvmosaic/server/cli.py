@@ -38,6 +38,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"])
     e.add_argument("--num-threads", type=int, default=None, help="torch threads (default: torch's)")
+    e.add_argument("--segment-reuse", default="off", choices=["off", "shift", "blend"],
+                   help="reuse the KV of marked segments at any position (completions' `segments` field)")
+    e.add_argument("--blend-ratio", type=float, default=0.15, help="blend: fraction of reused tokens recomputed")
+    e.add_argument("--blend-threshold", type=float, default=None, help="blend: recompute tokens deviating more")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -86,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache=args.prefix_cache,
         scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
-        enable_kv_events=args.kv_events_endpoint is not None)
+        enable_kv_events=args.kv_events_endpoint is not None, segment_reuse=args.segment_reuse,
+        blend_ratio=args.blend_ratio, blend_threshold=args.blend_threshold)
     print(f"loading {args.model or 'the shipped model'} ({args.dtype}) ...", flush=True)
     engine = LLMEngine(config)
     model_name = args.served_model_name or engine.model_name

@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 MAX_STOP_STRINGS = 16
 MAX_SALT_CHARS = 256
+MAX_SEGMENTS = 64
 
 
 class StrictModel(BaseModel):
@@ -75,6 +76,10 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    # kvmosaic extension: the prompt is ``prompt + segments... + segment_suffix``; with the
+    # server's --segment-reuse on, each segment's KV is reused wherever it stood before.
+    segments: Annotated[list[str], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
+    segment_suffix: str = ""
 
     @model_validator(mode="after")
     def _completion_supported(self):
@@ -82,7 +87,18 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.segments is not None and not isinstance(self.single_prompt, str):
+            raise ValueError("with segments, prompt must be a string (the text before them)")
+        if self.segments is None and self.segment_suffix:
+            raise ValueError("segment_suffix needs segments")
         return self
+
+    @property
+    def engine_prompt(self) -> str | list[int] | dict:
+        """What the engine takes: the prompt, or the segmented prompt dict."""
+        if self.segments is None:
+            return self.single_prompt
+        return {"prompt": self.single_prompt, "segments": list(self.segments), "suffix": self.segment_suffix}
 
     @property
     def single_prompt(self) -> str | list[int]:

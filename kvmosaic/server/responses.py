@@ -1,7 +1,8 @@
 """Response bodies of the OpenAI API, built from the engine's :class:`RequestOutput`.
 
 ``usage.prompt_tokens_details.cached_tokens`` is in every usage object: the prompt tokens
-whose KV came from the prefix cache instead of being computed.
+whose KV came from the prefix cache instead of being computed; ``segment_tokens`` (a
+kvmosaic extension) counts those reused from stored segments at other positions.
 """
 
 from __future__ import annotations
@@ -16,7 +17,8 @@ Decode = Callable[[int], str]
 def usage(out: RequestOutput) -> dict:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens,
+                                      "segment_tokens": out.num_segment_tokens}}
 
 
 class TextDelta:

@@ -99,7 +99,7 @@ class OpenAIServing:
     async def completions(self, request: Request):
         token = self.tenants.authenticate(request.headers.get("authorization"))
         req: CompletionRequest = await parse_body(request, CompletionRequest)
-        return await self._serve(request, req, token, req.single_prompt, req.max_tokens, req.logprobs, "prompt",
+        return await self._serve(request, req, token, req.engine_prompt, req.max_tokens, req.logprobs, "prompt",
                                  chat=False)
 
     async def chat(self, request: Request):
@@ -113,7 +113,7 @@ class OpenAIServing:
         top = (req.top_logprobs or 0) if req.logprobs else None
         return await self._serve(request, req, token, prompt, req.max_new_tokens, top, "messages", chat=True)
 
-    async def _serve(self, request: Request, req: SamplingFields, token: str | None, prompt: str | list[int],
+    async def _serve(self, request: Request, req: SamplingFields, token: str | None, prompt: str | list[int] | dict,
                      max_tokens: int | None, logprobs: int | None, prompt_param: str, chat: bool):
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
