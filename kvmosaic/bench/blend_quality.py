@@ -207,8 +207,7 @@ class Harness:
         cache = self.engine.cache
         table = cache.allocate_slots(fake, len(ids))
         try:
-            bs = self.engine.kv.block_size
-            slots = (torch.tensor(table)[:, None] * bs + torch.arange(bs)).reshape(-1)[: len(ids)]
+            slots = self.engine.kv.slots(table, len(ids))
             res = self.engine.segment_reuse.blender.prefill(ids, spans, slots, 0, opts,
                                                             logits_positions=list(range(n - 1, len(ids))))
         finally:

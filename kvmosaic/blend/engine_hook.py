@@ -55,11 +55,9 @@ class SegmentReuse:
         """Blend each sequence's prompt; returns their last-token logits ``[len(blend), V]``.
         Sets ``num_new_tokens`` so that the scheduler's update completes the prompt."""
         opts, rows = self.options(), []
-        bs = self.kv.block_size
         for s, _ in blend:
             seq = s.seq
-            table = torch.tensor(cache.block_table(seq.request_id), dtype=torch.long)
-            slots = (table[:, None] * bs + torch.arange(bs)).reshape(-1)[: seq.num_tokens]
+            slots = self.kv.slots(cache.block_table(seq.request_id), seq.num_tokens)
             start = seq.num_computed_tokens
             res = self.blender.prefill(seq.all_token_ids, seq.segments, slots, start, opts,
                                        seq.cache_salt, seq.adapter_id)

@@ -81,6 +81,8 @@ class CacheSizeInfo:
     free: int
     evictable: int
     in_use: int
+    # Blocks holding KV a later request can hit (in use or evictable); outside the invariant.
+    cached: int = field(default=0, compare=False)
 
 
 @dataclass
@@ -132,10 +134,6 @@ class KVCacheManager(ABC):
 
     @abstractmethod
     def size_info(self) -> CacheSizeInfo: ...
-
-    def num_cached_blocks(self) -> int:
-        """Blocks holding KV that a later request can hit (in use or evictable)."""
-        return len(self.pool.cached)
 
     # ---- shared mechanics ----------------------------------------------------------------
     def record_query(self, req: CacheRequest, match: MatchResult) -> None:
@@ -283,4 +281,5 @@ class HashCacheManager(KVCacheManager):
 
     def size_info(self) -> CacheSizeInfo:
         free, evictable = len(self.pool.free_queue), len(self.pool.evictor)
-        return CacheSizeInfo(self.pool.num_blocks, free, evictable, self.pool.num_blocks - free - evictable)
+        return CacheSizeInfo(self.pool.num_blocks, free, evictable, self.pool.num_blocks - free - evictable,
+                             len(self.pool.cached))

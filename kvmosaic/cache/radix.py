@@ -181,10 +181,7 @@ class RadixCacheManager(KVCacheManager):
             elif refs.get(b.block_id, 0) == b.ref_cnt and b.block_id not in locked:
                 evictable += 1
         total = self.pool.num_blocks
-        return CacheSizeInfo(total, free, evictable, total - free - evictable)
-
-    def num_cached_blocks(self) -> int:
-        return len(self.tree.block_refs()[0])
+        return CacheSizeInfo(total, free, evictable, total - free - evictable, len(refs))
 
     def check_invariants(self) -> None:
         self.pool.check_invariants()

@@ -288,7 +288,7 @@ class LLMEngine:
             kv_cache_usage=size.in_use / size.total,
             num_blocks=size.total,
             num_free_blocks=size.free + size.evictable,
-            num_cached_blocks=self.cache.num_cached_blocks(),
+            num_cached_blocks=size.cached,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
             num_preemptions=self.num_preemptions,

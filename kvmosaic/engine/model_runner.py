@@ -23,13 +23,6 @@ class ModelRunner:
         self.model = model
         self.kv = kv
         self.device = kv.device
-        self.block_size = kv.block_size
-        self._offsets = torch.arange(self.block_size)
-
-    def context_slots(self, block_table: list[int], num_tokens: int) -> torch.Tensor:
-        """Slots of a sequence's first ``num_tokens`` tokens, through its block table."""
-        table = torch.tensor(block_table, dtype=torch.long)
-        return (table[:, None] * self.block_size + self._offsets).reshape(-1)[:num_tokens]
 
     def prepare(self, batch: list[tuple[ScheduledSeq, list[int]]]):
         """Build the packed inputs; ``batch`` pairs each scheduled sequence with its table."""
@@ -42,7 +35,7 @@ class ModelRunner:
             end = start + n
             ids.extend(s.seq.all_token_ids[start:end])
             pos.append(torch.arange(start, end))
-            slots = self.context_slots(table, end)
+            slots = self.kv.slots(table, end)
             slot_map.append(slots[start:])
             if n == 1:
                 dec_index.append(t)

@@ -51,6 +51,11 @@ class PagedKVCache:
     def nbytes(self) -> int:
         return self.buffer.numel() * self.buffer.element_size()
 
+    def slots(self, block_table: list[int] | torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Slots of a sequence's first ``num_tokens`` tokens, through its block table."""
+        table = torch.as_tensor(block_table, dtype=torch.long)
+        return (table[:, None] * self.block_size + torch.arange(self.block_size)).reshape(-1)[:num_tokens]
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store K/V ``[tokens, kv_heads, head_dim]`` at ``slots``."""
         self.k[layer].index_copy_(0, slots, k)
