@@ -41,7 +41,7 @@ def first_logprobs(out) -> torch.Tensor:
 
 def test_full_ratio_reproduces_full_prefill(llm):
     llm.engine.segment_reuse.store.clear()
-    run(llm, DOCS, mode="blend")  # stores every document behind the head
+    run(llm, DOCS, mode="blend")  # all new: computed in full, then stored
     order = [DOCS[2], DOCS[0], DOCS[1]]
     ref = run(llm, order)
     out = run(llm, order, mode="blend", ratio=1.0)
@@ -49,6 +49,26 @@ def test_full_ratio_reproduces_full_prefill(llm):
     assert sorted(out.logprobs[0]) == sorted(ref.logprobs[0])
     torch.testing.assert_close(first_logprobs(out), first_logprobs(ref), atol=1e-4, rtol=0)
     assert out.num_segment_tokens == 0 and out.num_computed_tokens == len(out.prompt_token_ids)
+
+
+def test_new_segments_are_an_exact_prefill_and_stored_where_computed(llm):
+    store = llm.engine.segment_reuse.store
+    store.clear()
+    ref = run(llm, DOCS)
+    first = run(llm, DOCS, mode="blend")
+    assert first.num_segment_tokens == 0 and len(store.index) == len(DOCS)
+    assert first.token_ids == ref.token_ids
+    torch.testing.assert_close(first_logprobs(first), first_logprobs(ref), atol=1e-4, rtol=0)
+    head_len = len(llm.tokenizer.encode(HEAD))
+    origins = [store.get(llm.tokenizer.encode(d), None)[0].origin for d in DOCS]
+    assert origins[0] == head_len and origins == sorted(origins)
+    n = len(first.prompt_token_ids)
+    indexed = run(llm, DOCS, cold=False)  # an exact prefill may serve as a prefix hit
+    assert indexed.num_cached_tokens == (n - 1) // 16 * 16
+    again = run(llm, DOCS, mode="shift")  # same order: every segment lands where it was computed
+    assert again.num_segment_tokens == n - head_len - len(llm.tokenizer.encode(TAIL))
+    assert again.token_ids == ref.token_ids
+    torch.testing.assert_close(first_logprobs(again), first_logprobs(ref), atol=1e-4, rtol=0)
 
 
 def test_reuse_is_reported_and_lossy_below_full_ratio(llm):
@@ -97,3 +117,23 @@ def test_blended_kv_never_serves_as_an_exact_prefix(llm):
     assert after.num_cached_tokens <= head_len
     ref = run(llm, order)
     torch.testing.assert_close(first_logprobs(after), first_logprobs(ref), atol=1e-4, rtol=0)
+
+
+def test_a_separator_marks_segments_in_a_text_prompt(llm):
+    e = llm.engine
+    sep = "<|doc|>"
+    e.config.segment_separator = sep
+    try:
+        e.segment_reuse.store.clear()
+        text = HEAD + sep + sep.join(DOCS) + sep + TAIL
+        marked = e.segmented(text)
+        as_dict = e.segmented({"prompt": HEAD, "segments": DOCS, "suffix": TAIL})
+        assert marked == as_dict and sep not in marked.text
+        assert e.segmented(HEAD + TAIL) is None  # no separator: an ordinary prompt
+        e.config.segment_reuse = "shift"
+        first = llm.generate(text, GREEDY)[0]
+        again = llm.generate(HEAD + sep + sep.join(DOCS[::-1]) + sep + TAIL, GREEDY)[0]
+        assert first.num_segment_tokens == 0 and again.num_segment_tokens > 0
+        assert first.prompt_token_ids == as_dict.token_ids
+    finally:
+        e.config.segment_separator = None

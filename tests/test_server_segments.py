@@ -15,12 +15,13 @@ DOCS = [
     "Document C. The bakery on Quay Street sells rye bread on Tuesdays only. ",
 ]
 TAIL = "When was the lighthouse built?<|im_end|>\n<|im_start|>assistant\n"
+SEP = "<|doc|>"
 
 
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "1024",
-                         "--segment-reuse", "blend", "--blend-ratio", "0.3")
+                         "--segment-reuse", "blend", "--blend-ratio", "0.3", "--segment-separator", SEP)
     with proc.start():
         yield proc
 
@@ -40,6 +41,20 @@ def test_segments_reused_in_another_order(server):
     usage = again.json()["usage"]
     reused = usage["prompt_tokens_details"]["segment_tokens"]
     assert reused > 0 and reused + usage["prompt_tokens_details"]["cached_tokens"] < usage["prompt_tokens"]
+    assert server.health()["kv"]["num_used_blocks"] == 0
+
+
+def test_a_separator_marks_segments_in_chat_messages(server):
+    def chat(docs):
+        content = "Answer from the documents." + SEP + SEP.join(docs) + SEP + "When was the lighthouse built?"
+        body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0.0}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["segment_tokens"]
+
+    notes = [d.replace("Document", "Note") for d in DOCS]  # segments no other test stored
+    assert chat(notes) == 0
+    assert chat(notes[::-1]) > 0
     assert server.health()["kv"]["num_used_blocks"] == 0
 
 

@@ -5,7 +5,8 @@ different order, and a question whose answer is a fact stated in one document. E
 compared with full prefill of the same prompt:
 
 * TTFT: median over requests, through the engine (``LLM.generate``), with the system prompt
-  prefix-cached and every document already in the segment store (full prefill: cold);
+  prefix-cached and every document already in the segment store, as a first request with the
+  documents in order 1..5 left them (full prefill: cold);
 * KL at the first answer token and mean teacher-forced KL over 16 tokens: the mode's logits
   on full prefill's greedy answer, against full prefill's, computed with the same blend code
   (``Blender.prefill``) on the same request;
@@ -168,7 +169,8 @@ def requests(n: int, seed: int = 0) -> list[tuple[dict, str]]:
 
 
 class Harness:
-    """One float32 engine; its segment store holds every document computed behind HEAD."""
+    """One float32 engine. Its segment store holds every document as a first request (HEAD,
+    documents 1..5 in order) computed them; each measured request shuffles them."""
 
     def __init__(self) -> None:
         self.llm = LLM(dtype="float32", num_kv_blocks=512, segment_cache_memory=512 << 20)

@@ -4,14 +4,20 @@
 
 * tokens before ``start`` are a prefix-cache hit and are left alone;
 * each segment is looked up in the segment store by content (and salt, adapter, model,
-  dtype). A missing one is computed behind the prompt's head (the tokens before the first
-  segment, whose KV is exact) and stored: a segment computed behind a shared system prompt
-  deviates half as much when reused as one computed alone;
-* stored KV is written at the segment's new positions (K re-rotated, V as is), then
-  :func:`~kvmosaic.blend.forward.blend_forward` recomputes what the mode asks for.
+  dtype). A stored one is written at its new positions (K re-rotated, V as is);
+* :func:`~kvmosaic.blend.forward.blend_forward` then computes every other token in full and
+  recomputes what the mode asks for among the reused ones;
+* each segment that was missing is stored afterwards, with the KV it got in this prompt: KV
+  "computed for a chunk in one context" (CacheBlend). A segment computed among its real
+  neighbours deviates far less when moved than one computed alone or behind the head only,
+  and a request whose segments are all new is an exact full prefill.
 
 Modes: ``shift`` recomputes only the non-segment tokens; ``blend`` also recomputes the reused
 tokens whose early-layer KV deviates most (a ratio, or all above a threshold).
+
+Positions before the first reused token that kept its moved KV are exact (they only attend
+to exact tokens); :attr:`BlendResult.exact_until` says where that ends, so that the prefix
+cache may index what is exact and nothing after.
 """
 
 from __future__ import annotations
@@ -21,7 +27,6 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.paged import PagedKVCache
-from ..model.attention import AttentionMetadata, PrefillSpan
 from ..model.llama import LlamaForCausalLM
 from .forward import blend_forward
 from .prompt import SegmentSpan
@@ -38,7 +43,7 @@ class BlendOptions:
     mode: str = "blend"
     ratio: float = 0.15
     threshold: float | None = None  # when set, overrides ratio
-    check_layer: int = 1
+    check_layer: int = 2
     selection: str = "deviation"  # "random" is the baseline the scores must beat
     seed: int = 0
 
@@ -49,6 +54,8 @@ class BlendOptions:
             raise ValueError(f"blend_ratio must be in [0, 1], got {self.ratio}")
         if self.threshold is not None and self.threshold < 0:
             raise ValueError(f"blend_threshold must be non-negative, got {self.threshold}")
+        if self.check_layer < 1:
+            raise ValueError(f"blend_check_layer must be at least 1, got {self.check_layer}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"blend selection must be one of {SELECTIONS}, got {self.selection!r}")
 
@@ -59,6 +66,7 @@ class BlendResult:
     num_segment_tokens: int  # served from the store and not recomputed
     num_stored_tokens: int  # segment tokens computed here and added to the store
     num_recomputed_segment_tokens: int  # store hits recomputed anyway
+    exact_until: int  # KV of positions below this equals a full prefill's
 
 
 class Blender:
@@ -83,7 +91,6 @@ class Blender:
         n = len(token_ids)
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions = logits_positions if logits_positions is not None else [n - 1]
-        head = spans[0].start if spans else n
         found, missing = [], []
         for span in spans:
             if span.end <= start:
@@ -93,72 +100,23 @@ class Blender:
                 missing.append(span)
             else:
                 found.append((span, hit[0].origin, hit[1]))
-        hits = torch.zeros(n, dtype=torch.bool)
-        for span, _, _ in found:
-            hits[span.start : span.end] = True
-        if missing:
-            if start < head:
-                self._exact(ids, slots, start, head)
-                start = head
-            found += self._compute_behind_head(ids, slots, start, head, missing, cache_salt, adapter_id)
         reused = self._place(found, slots, start, n)
         reused[positions] = False
         pick = None
-        if opts.mode == "blend":
+        if opts.mode == "blend" and reused.any():
             gen = torch.Generator().manual_seed(opts.seed)
             pick = lambda s: choose(s, opts.ratio, opts.threshold, opts.selection == "random", gen)  # noqa: E731
         out = blend_forward(self.model, self.kv, ids, slots, start, reused, torch.tensor(positions), pick,
                             opts.check_layer)
-        kept = hits & reused & ~out.recomputed
-        return BlendResult(out.logits, int(kept.sum()), int((reused & ~hits).sum()),
-                           int((hits & reused & out.recomputed).sum()))
+        stored = sum(span.num_tokens for span in missing
+                     if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start,
+                                       self._read(slots[span.start : span.end])))
+        kept = reused & ~out.recomputed
+        inexact = kept.nonzero()
+        return BlendResult(out.logits, int(kept.sum()), stored, int((reused & out.recomputed).sum()),
+                           int(inexact[0]) if inexact.numel() else n)
 
     # ---- steps ---------------------------------------------------------------------------
-    def _forward(self, ids, positions, slot_map, spans: list[PrefillSpan]) -> None:
-        """Write KV only (no logits) for a packed batch of prefill spans."""
-        dev = self.kv.device
-        spans = [PrefillSpan(s.start, s.end, s.ctx_slots.to(dev), None if s.mask is None else s.mask.to(dev))
-                 for s in spans]
-        meta = AttentionMetadata(slot_map.to(dev), spans)
-        self.model(ids.to(dev), positions.to(dev), self.kv, meta, torch.empty(0, dtype=torch.long, device=dev))
-
-    def _exact(self, ids, slots, start: int, end: int) -> None:
-        """Plain prefill of tokens ``start .. end-1`` behind the pool's exact ``< start``."""
-        mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None] if start else None
-        self._forward(ids[start:end], torch.arange(start, end), slots[start:end],
-                      [PrefillSpan(0, end - start, slots[:end], mask)])
-
-    def _compute_behind_head(self, ids, slots, start, head, spans, salt, adapter):
-        """Compute each missing segment at positions ``head ..`` behind the head, using the
-        prompt's own slots from ``start`` on as scratch, and store it. Segments that do not
-        fit in the scratch stay unreused (computed in full by the blend pass)."""
-        scratch = slots[start:]
-        batch, used = [], 0
-        for span in spans:
-            if used + span.num_tokens > scratch.numel():
-                break
-            batch.append((span, scratch[used : used + span.num_tokens]))
-            used += span.num_tokens
-        if not batch:
-            return []
-        head_slots = slots[:head]
-        tok, pos, packed, t = [], [], [], 0
-        for span, scr in batch:
-            m = span.num_tokens
-            tok.append(ids[span.start : span.end])
-            pos.append(torch.arange(head, head + m))
-            causal = torch.ones(m, m, dtype=torch.bool).tril()
-            mask = torch.cat((torch.ones(m, head, dtype=torch.bool), causal), dim=1) if head else None
-            packed.append(PrefillSpan(t, t + m, torch.cat((head_slots, scr)), mask))
-            t += m
-        self._forward(torch.cat(tok), torch.cat(pos), scratch[:used], packed)
-        out = []
-        for span, scr in batch:
-            kvt = self._read(scr)
-            self.store.put(ids[span.start : span.end].tolist(), salt, adapter, head, kvt)
-            out.append((span, head, kvt))
-        return out
-
     def _read(self, slots: torch.Tensor) -> torch.Tensor:
         """KV at ``slots``, every layer: ``[L, 2, T, kv_heads, head_dim]``."""
         s = slots.to(self.kv.device)

@@ -8,7 +8,8 @@ of every prompt token, and the sequence decodes like any other from the next ste
 pool cannot supply the blocks, the sequence simply continues as an ordinary (exact) prefill.
 
 Blended KV is approximate, so it must never be served as an exact prefix hit: the sequence's
-``cache_limit`` stops the prefix cache from indexing anything past its exact head.
+``cache_limit`` stops the prefix cache from indexing anything from the first token that kept
+moved KV on (everything before it, e.g. a head and segments seen for the first time, is exact).
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from .store import SegmentKVStore
 
 class SegmentReuse:
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, config, model_fingerprint: str) -> None:
+        if config.segment_reuse != "off" and not 1 <= config.blend_check_layer < model.config.num_layers:
+            raise ValueError(f"blend_check_layer must be in [1, {model.config.num_layers}), "
+                             f"got {config.blend_check_layer}")
         self.config = config  # the EngineConfig; read on every use, so changes apply at once
         self.kv = kv
         self.store = SegmentKVStore(config.segment_cache_memory, segment_namespace(model_fingerprint, config.dtype))
@@ -63,7 +67,7 @@ class SegmentReuse:
                                        seq.cache_salt, seq.adapter_id)
             rows.append(res.logits)
             seq.num_segment_tokens = res.num_segment_tokens
-            seq.cache_limit = max(start, seq.segments[0].start) if seq.segments else seq.num_tokens
+            seq.cache_limit = max(start, res.exact_until)
             seq.segments = None
             s.num_new_tokens = seq.num_tokens - start
         return torch.cat(rows)

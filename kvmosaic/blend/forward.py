@@ -53,7 +53,7 @@ def blend_forward(
     reused: torch.Tensor,
     logits_positions: torch.Tensor,
     pick: Picker | None,
-    check_layer: int = 1,
+    check_layer: int = 2,
 ) -> BlendOutput:
     """``token_ids``, ``slots``, ``reused``: ``[N]`` for the whole prompt. Positions in
     ``logits_positions`` must not be reused (their hidden states are needed)."""

@@ -38,6 +38,15 @@ def _encode(tokenizer, piece, what: str) -> list[int]:
     raise ValueError(f"{what} must be a string")
 
 
+def split_on_separator(text: str, separator: str) -> dict | None:
+    """``head SEP doc SEP doc SEP tail`` as a segmented prompt dict (separators dropped), or
+    None when ``text`` has no separator."""
+    if separator not in text:
+        return None
+    pieces = text.split(separator)
+    return {"prompt": pieces[0], "segments": pieces[1:-1], "suffix": pieces[-1]}
+
+
 def parse_segment_prompt(tokenizer, prompt: dict) -> SegmentedPrompt:
     """Validate and tokenize a segmented prompt; empty segments are dropped."""
     unknown = set(prompt) - SEGMENT_FIELDS

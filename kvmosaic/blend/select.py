@@ -2,8 +2,9 @@
 
 The score of a token is the relative L2 deviation of its K and V at one early layer,
 ``||[k - k', v - v']|| / ||[k, v]||`` (k, v fresh; k', v' reused), summed over KV heads. Layer
-0's KV depends on the token alone, so the first layer whose KV sees the context (layer 1) is
-the earliest that can tell tokens apart.
+0's KV depends on the token alone, so layer 1 is the earliest whose KV sees the context at all;
+layer 2 (two rounds of attention) is the default: on the rag-reorder benchmark it halves the
+mean KL of layer 1 at r=15% and 30% for 1/30 more of a prefill (BENCHMARKS.md).
 """
 
 from __future__ import annotations

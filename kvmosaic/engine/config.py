@@ -33,8 +33,11 @@ class EngineConfig:
     segment_reuse: str = "off"
     blend_ratio: float = 0.15  # fraction of reused segment tokens recomputed
     blend_threshold: float | None = None  # if set: recompute tokens deviating more (overrides ratio)
-    blend_check_layer: int = 1  # the early layer whose KV deviation picks tokens
+    blend_check_layer: int = 2  # the early layer whose KV deviation picks tokens (>= 1)
     segment_cache_memory: int = 256 << 20  # bytes for stored segment KV (LRU)
+    # When set, a text prompt is cut at each occurrence (which is dropped): the first piece is
+    # the head, the last the suffix, those between are segments (e.g. "<|segment|>").
+    segment_separator: str | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -53,6 +56,8 @@ class EngineConfig:
         from ..blend.blender import BlendOptions  # validates the segment reuse fields
 
         BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer)
+        if self.segment_separator is not None and not self.segment_separator.strip():
+            raise ValueError("segment_separator must be a non-blank string")
 
     @property
     def torch_dtype(self) -> torch.dtype:

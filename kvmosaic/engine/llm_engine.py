@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..blend import SegmentedPrompt, parse_segment_prompt
+from ..blend import SegmentedPrompt, parse_segment_prompt, split_on_separator
 from ..blend.engine_hook import SegmentReuse
 from ..cache.block_pool import BlockPool
 from ..cache.events import EventLog
@@ -111,11 +111,28 @@ class LLMEngine:
         self.num_preemptions = 0
 
     # ---- requests ------------------------------------------------------------------------
-    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], str | None]:
-        """A prompt is text, token ids, or ``{"prompt": text-or-ids, "cache_salt": str}``,
-        or ``{"prompt": head, "segments": [doc, ...], "suffix": tail}`` (see blend/prompt.py)."""
+    def segmented(self, prompt: PromptInput) -> SegmentedPrompt | None:
+        """The prompt's segments: given as ``{"prompt": head, "segments": [doc, ...],
+        "suffix": tail}`` (see blend/prompt.py), or marked in a text prompt by the configured
+        ``segment_separator``; None for an unsegmented prompt."""
+        if isinstance(prompt, SegmentedPrompt):
+            return prompt
         if isinstance(prompt, dict) and "segments" in prompt:
-            prompt = parse_segment_prompt(self.tokenizer, prompt)
+            return parse_segment_prompt(self.tokenizer, prompt)
+        sep = self.config.segment_separator
+        if sep is None:
+            return None
+        fields = prompt if isinstance(prompt, dict) else {"prompt": prompt}
+        text = fields.get("prompt")
+        split = split_on_separator(text, sep) if isinstance(text, str) and "prompt_token_ids" not in fields else None
+        if split is None:
+            return None
+        return parse_segment_prompt(self.tokenizer, {**fields, **split})
+
+    def tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int], str | None]:
+        """A prompt is text, token ids, ``{"prompt": text-or-ids, "cache_salt": str}``, or a
+        segmented prompt (see :meth:`segmented`)."""
+        prompt = self.segmented(prompt) or prompt
         if isinstance(prompt, SegmentedPrompt):
             return prompt.text, prompt.token_ids, prompt.cache_salt
         salt = None
@@ -144,8 +161,7 @@ class LLMEngine:
     ) -> Sequence:
         """Validate and queue a request; raises ValueError (changing nothing) on bad input."""
         params = params or SamplingParams()
-        is_segmented = isinstance(prompt, dict) and "segments" in prompt
-        segmented = parse_segment_prompt(self.tokenizer, prompt) if is_segmented else None
+        segmented = self.segmented(prompt)
         text, ids, salt = self.tokenize(segmented or prompt)
         salt = cache_salt if cache_salt is not None else salt
         if not ids:

@@ -109,11 +109,10 @@ class AsyncEngine:
         stream = RequestStream(f"req-{uuid.uuid4().hex}", asyncio.get_running_loop())
 
         def add(engine: LLMEngine) -> None:
-            _, ids, _ = engine.tokenize(prompt)
+            segmented = engine.segmented(prompt)  # its spans are needed, not just the ids
+            _, ids, _ = engine.tokenize(segmented or prompt)
             params = make_params(len(ids))
-            segmented = isinstance(prompt, dict)  # its segment spans are needed, not just the ids
-            engine.add_request(prompt if segmented else ids, params, request_id=stream.request_id,
-                               cache_salt=cache_salt)
+            engine.add_request(segmented or ids, params, request_id=stream.request_id, cache_salt=cache_salt)
             self._streams[stream.request_id] = stream
 
         try:

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="reuse the KV of marked segments at any position (completions' `segments` field)")
     e.add_argument("--blend-ratio", type=float, default=0.15, help="blend: fraction of reused tokens recomputed")
     e.add_argument("--blend-threshold", type=float, default=None, help="blend: recompute tokens deviating more")
+    e.add_argument("--blend-check-layer", type=int, default=2, help="blend: the layer whose KV deviation picks")
+    e.add_argument("--segment-separator", default=None, metavar="TEXT",
+                   help="mark segments in any text prompt (chat messages too): head TEXT doc TEXT ... TEXT tail")
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
@@ -91,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache=args.prefix_cache,
         scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
         enable_kv_events=args.kv_events_endpoint is not None, segment_reuse=args.segment_reuse,
-        blend_ratio=args.blend_ratio, blend_threshold=args.blend_threshold)
+        blend_ratio=args.blend_ratio, blend_threshold=args.blend_threshold,
+        blend_check_layer=args.blend_check_layer, segment_separator=args.segment_separator)
     print(f"loading {args.model or 'the shipped model'} ({args.dtype}) ...", flush=True)
     engine = LLMEngine(config)
     model_name = args.served_model_name or engine.model_name
