@@ -3,6 +3,7 @@ format with its replay, and size parsing."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 import msgspec
@@ -13,7 +14,7 @@ from kvmosaic.server.cli import memory_size
 from kvmosaic.server.errors import APIError
 from kvmosaic.server.events import (BlockRemoved, BlockStored, CachedBlocks, KVEventBatch, KVEventSubscriber,
                                     ZmqEventPublisher)
-from kvmosaic.server.launch import free_port
+from kvmosaic.server.launch import ServerProcess, free_port
 from kvmosaic.server.responses import TextDelta
 from kvmosaic.server.tenancy import TenantPolicy
 
@@ -97,3 +98,24 @@ def test_a_subscriber_follows_the_publisher_and_replays_what_it_missed():
     finally:
         sub.close()
         pub.close()
+
+
+HEALTHY = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers()
+    def log_message(self, *a):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
+
+def test_server_process_started_then_entered_is_one_process_and_stops():
+    proc = ServerProcess()
+    proc.args = [sys.executable, "-c", HEALTHY, str(proc.port)]
+    started = proc.start()
+    first = proc.proc
+    with started:  # the fixtures' ``with proc.start():`` once started a second server and leaked this one
+        assert proc.proc is first and proc.alive()
+    assert first.poll() is not None

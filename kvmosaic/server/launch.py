@@ -67,7 +67,7 @@ class ServerProcess:
         os.unlink(self.log.name)
 
     def __enter__(self) -> ServerProcess:
-        return self.start()
+        return self if self.alive() else self.start()  # ``with proc.start():`` must not start a second one
 
     def __exit__(self, *exc) -> None:
         self.stop()
