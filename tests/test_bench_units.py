@@ -86,3 +86,28 @@ def test_unknown_peer_and_reference():
     assert "unknown peer" in unavailable_reason("nope")
     assert unavailable_reason("kvmosaic-hash") is None
     assert pick_reference(["transformers", "kvmosaic-none", "kvmosaic-radix"], "kvmosaic-hash") == "kvmosaic-radix"
+
+
+def test_rag_reorder_quality_workload():
+    from kvmosaic.bench import blend_quality as bq
+
+    reqs = bq.requests(20)
+    for prompt, answer in reqs:
+        assert sorted(prompt["segments"]) == sorted(bq.DOCS)
+        assert sum(answer.lower() in d.lower() for d in prompt["segments"]) == 1  # one document states it
+    assert len({tuple(p["segments"]) for p, _ in reqs}) > 15  # the orders differ
+    assert bq.requests(5, seed=1) != bq.requests(5)
+    ratios = {c.ratio for c in bq.configs() if c.kind == "blend"}
+    assert {0.0, 0.05, 0.10, 0.15, 0.20, 0.30, 0.50, 1.0} <= ratios
+    assert {"full", "prefix", "shift", "random", "threshold"} <= {c.kind for c in bq.configs()}
+
+
+def test_kl_of_log_probabilities():
+    from kvmosaic.bench.blend_quality import kl
+
+    p = torch.log_softmax(torch.randn(4, 50), -1)
+    q = torch.log_softmax(torch.randn(4, 50), -1)
+    assert torch.allclose(kl(p, p), torch.zeros(4), atol=1e-6)
+    assert (kl(p, q) > 0).all()
+    ref = torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1)
+    assert torch.allclose(kl(p, q), ref, atol=1e-5)

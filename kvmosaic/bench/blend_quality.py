@@ -13,7 +13,8 @@ compared with full prefill of the same prompt:
 * greedy agreement: the fraction of the 16 free-running greedy tokens equal to full prefill's;
 * accuracy: whether the answer string appears in the 16 generated tokens.
 
-Run: ``python -m kvmosaic.bench.blend_quality`` (``--requests``, ``--out``). Prints a markdown
+Run: ``python -m kvmosaic.bench.blend_quality`` (``--requests``, ``--check-layer``, ``--seed``,
+``--out``). Prints a markdown
 table and writes a Pareto plot of KL against TTFT into ``docs/blend/``.
 """
 
@@ -24,7 +25,7 @@ import json
 import random
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -172,8 +173,10 @@ class Harness:
     """One float32 engine. Its segment store holds every document as a first request (HEAD,
     documents 1..5 in order) computed them; each measured request shuffles them."""
 
-    def __init__(self) -> None:
-        self.llm = LLM(dtype="float32", num_kv_blocks=512, segment_cache_memory=512 << 20)
+    def __init__(self, check_layer: int = 2) -> None:
+        self.check_layer = check_layer
+        self.llm = LLM(dtype="float32", num_kv_blocks=512, segment_cache_memory=512 << 20,
+                       blend_check_layer=check_layer)
         self.engine = self.llm.engine
         self.greedy = SamplingParams(max_tokens=ANSWER_TOKENS, temperature=0, ignore_eos=True)
         self.set_mode(Config("warm", "blend", ratio=0.0))
@@ -203,7 +206,7 @@ class Harness:
         sp = parse_segment_prompt(self.llm.tokenizer, prompt)
         ids = sp.token_ids + answer_ids[:-1]
         n = len(sp.token_ids)
-        opts = cfg.options() or BlendOptions("shift")
+        opts = replace(cfg.options() or BlendOptions("shift"), check_layer=self.check_layer)
         spans = () if cfg.kind in ("full", "prefix") else sp.spans
         fake = _Req(f"forced-{time.monotonic_ns()}", ids)
         cache = self.engine.cache
@@ -230,11 +233,11 @@ def kl(ref: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     return (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)
 
 
-def run(n_requests: int) -> list[Row]:
-    h = Harness()
+def run(n_requests: int, check_layer: int = 2, seed: int = 0) -> list[Row]:
+    h = Harness(check_layer)
     cfgs = configs()
     stats: dict[str, dict[str, list[float]]] = {c.name: {} for c in cfgs}
-    for i, (prompt, answer) in enumerate(requests(n_requests)):
+    for i, (prompt, answer) in enumerate(requests(n_requests, seed)):
         ref_out = h.generate(cfgs[0], prompt)
         ref_lp = h.forced_logprobs(cfgs[0], prompt, ref_out.token_ids)
         for cfg in cfgs:
@@ -297,10 +300,12 @@ def plot(rows: list[Row], path: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--requests", type=int, default=3)
+    ap.add_argument("--requests", type=int, default=20, help="10 questions, each with fresh document orders")
+    ap.add_argument("--check-layer", type=int, default=2, help="the layer whose KV deviation picks tokens")
+    ap.add_argument("--seed", type=int, default=0, help="seeds the document orders")
     ap.add_argument("--out", default="docs/blend")
     args = ap.parse_args()
-    rows = run(args.requests)
+    rows = run(args.requests, args.check_layer, args.seed)
     md = table(rows)
     print(md)
     out = Path(args.out)

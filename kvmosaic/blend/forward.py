@@ -38,8 +38,10 @@ class BlendOutput:
 
 
 def _meta(slots: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> AttentionMetadata:
+    """Queries at positions ``q_pos`` (ascending, distinct) attend causally to the context."""
     n = ctx_slots.numel()
-    mask = torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
+    is_tail = q_pos.numel() > 0 and int(q_pos[0]) == n - q_pos.numel()  # the context's last tokens
+    mask = None if is_tail else torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
     return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, mask)])
 
 

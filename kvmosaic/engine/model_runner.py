@@ -41,10 +41,7 @@ class ModelRunner:
                 dec_index.append(t)
                 dec_slots.append(slots)
             else:
-                mask = None
-                if start:
-                    mask = torch.arange(end)[None, :] <= torch.arange(start, end)[:, None]
-                prefills.append(PrefillSpan(t, t + n, slots, mask))
+                prefills.append(PrefillSpan(t, t + n, slots, None))
             t += n
             if end == s.seq.num_tokens:
                 logits_index.append(t - 1)
