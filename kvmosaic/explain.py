@@ -23,8 +23,9 @@ from pathlib import Path
 
 from .cache.block_pool import BlockPool
 from .cache.hashing import BlockHasher, get_hash_fn, make_seed
-from .cache.manager import HashCacheManager, KVCacheManager
+from .cache.manager import HashCacheManager, KVCacheManager, PlainRequest
 from .cache.radix import RadixCacheManager
+from .cache.radix_tree import common_prefix_len
 
 CONTEXT_TOKENS = 8
 
@@ -54,24 +55,8 @@ class Explanation:
     hash_b: str | None = None
 
 
-class _Req:
-    """The minimal request the cache managers need."""
-
-    def __init__(self, rid: str, p: Prompt) -> None:
-        self.request_id = rid
-        self.all_token_ids = list(p.tokens)
-        self.cache_salt = p.cache_salt
-        self.adapter_id = p.adapter_id
-        self.priority = 0
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def _request(rid: str, p: Prompt) -> PlainRequest:
+    return PlainRequest(rid, list(p.tokens), p.cache_salt, p.adapter_id)
 
 
 def compare(a: Prompt, b: Prompt, block_size: int = 16, hash_algo: str = "sha256_cbor") -> Explanation:
@@ -86,7 +71,7 @@ def compare(a: Prompt, b: Prompt, block_size: int = 16, hash_algo: str = "sha256
         ex.break_block = 0
         ex.first_diff = 0
     else:
-        common = _common_prefix(a.tokens, b.tokens)
+        common = common_prefix_len(a.tokens, b.tokens)
         ex.common_tokens = common
         if common < min(len(a.tokens), len(b.tokens)):
             ex.first_diff = common
@@ -135,7 +120,7 @@ def replay(earlier: list[Prompt], block_size: int = 16, num_blocks: int | None =
     radix = RadixCacheManager(BlockPool(num_blocks or total, block_size), seed)
     for i, p in enumerate(earlier):
         for mgr in (hashm, radix):
-            req = _Req(f"earlier-{i}", p)
+            req = _request(f"earlier-{i}", p)
             match = mgr.match_prefix(req)
             if mgr.allocate_slots(req, len(p.tokens), match) is None:
                 continue
@@ -155,14 +140,14 @@ class AgainstCache:
 
 def against_cache(cache: CacheReplay, prompt: Prompt) -> AgainstCache:
     """What each backend reuses for ``prompt``, explained against the closest earlier prompt."""
-    req = _Req("query", prompt)
+    req = _request("query", prompt)
     hash_hit = cache.hash.match_prefix(req).num_tokens
     radix_hit = cache.radix.match_prefix(req).num_tokens
     cache.hash.free(req)  # drops the per-request hash chain the lookup built
     cache.radix.free(req)
     same_ns = [p for p in cache.earlier if (p.cache_salt, p.adapter_id) == (prompt.cache_salt, prompt.adapter_id)]
     pool = same_ns or cache.earlier
-    closest = max(pool, key=lambda p: _common_prefix(p.tokens, prompt.tokens), default=None)
+    closest = max(pool, key=lambda p: common_prefix_len(p.tokens, prompt.tokens), default=None)
     ex = compare(closest, prompt, cache.hash.block_size) if closest is not None else None
     return AgainstCache(hash_hit, radix_hit, closest, ex)
 

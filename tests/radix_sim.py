@@ -10,19 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmosaic.cache.block_pool import BlockPool
-from kvmosaic.cache.manager import HashCacheManager, KVCacheManager
+from kvmosaic.cache.manager import HashCacheManager, KVCacheManager, PlainRequest
 from kvmosaic.cache.radix import RadixCacheManager
 
 SEED = b"\x00" * 32
 
 
 @dataclass
-class FakeReq:
-    request_id: str
-    all_token_ids: list[int]
-    cache_salt: str | None = None
-    adapter_id: str | None = None
-    priority: int = 0
+class FakeReq(PlainRequest):
     num_computed: int = 0
     num_hit: int = 0
 

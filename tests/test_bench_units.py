@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from kvmosaic.bench.benchmarks_md import SECTION, replace_section
-from kvmosaic.bench.hf_prompt_cache import PromptCacheStore, common_prefix_len
+from kvmosaic.bench.hf_prompt_cache import PromptCacheStore
+from kvmosaic.cache.radix_tree import common_prefix_len
 from kvmosaic.bench.peers import unavailable_reason
 from kvmosaic.bench.summary import pick_reference
 from kvmosaic.bench.workloads import BUILDERS, build

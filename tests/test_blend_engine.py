@@ -39,6 +39,11 @@ def first_logprobs(out) -> torch.Tensor:
     return torch.tensor([lp[t] for t in sorted(lp)])
 
 
+def assert_same_output(out, ref) -> None:
+    assert out.token_ids == ref.token_ids
+    torch.testing.assert_close(first_logprobs(out), first_logprobs(ref), atol=1e-4, rtol=0)
+
+
 def test_full_ratio_reproduces_full_prefill(llm):
     llm.engine.segment_reuse.store.clear()
     run(llm, DOCS, mode="blend")  # all new: computed in full, then stored
@@ -57,8 +62,7 @@ def test_new_segments_are_an_exact_prefill_and_stored_where_computed(llm):
     ref = run(llm, DOCS)
     first = run(llm, DOCS, mode="blend")
     assert first.num_segment_tokens == 0 and len(store.index) == len(DOCS)
-    assert first.token_ids == ref.token_ids
-    torch.testing.assert_close(first_logprobs(first), first_logprobs(ref), atol=1e-4, rtol=0)
+    assert_same_output(first, ref)
     head_len = len(llm.tokenizer.encode(HEAD))
     origins = [store.get(llm.tokenizer.encode(d), None)[0].origin for d in DOCS]
     assert origins[0] == head_len and origins == sorted(origins)
@@ -67,8 +71,7 @@ def test_new_segments_are_an_exact_prefill_and_stored_where_computed(llm):
     assert indexed.num_cached_tokens == (n - 1) // 16 * 16
     again = run(llm, DOCS, mode="shift")  # same order: every segment lands where it was computed
     assert again.num_segment_tokens == n - head_len - len(llm.tokenizer.encode(TAIL))
-    assert again.token_ids == ref.token_ids
-    torch.testing.assert_close(first_logprobs(again), first_logprobs(ref), atol=1e-4, rtol=0)
+    assert_same_output(again, ref)
 
 
 def test_reuse_is_reported_and_lossy_below_full_ratio(llm):
@@ -103,8 +106,7 @@ def test_mode_off_is_the_prefix_only_path(llm):
     ids = out.prompt_token_ids
     plain = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]  # the prefix cache is warm now
     assert plain.num_cached_tokens == (len(ids) - 1) // 16 * 16
-    assert plain.token_ids == out.token_ids
-    torch.testing.assert_close(first_logprobs(plain), first_logprobs(out), atol=1e-4, rtol=0)
+    assert_same_output(plain, out)
 
 
 def test_blended_kv_never_serves_as_an_exact_prefix(llm):

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from ..blend.blender import BlendOptions
+from ..cache.manager import PlainRequest
 from ..blend.prompt import parse_segment_prompt
 from ..engine.llm import LLM
 from ..engine.sampling_params import SamplingParams
@@ -208,7 +209,7 @@ class Harness:
         n = len(sp.token_ids)
         opts = replace(cfg.options() or BlendOptions("shift"), check_layer=self.check_layer)
         spans = () if cfg.kind in ("full", "prefix") else sp.spans
-        fake = _Req(f"forced-{time.monotonic_ns()}", ids)
+        fake = PlainRequest(f"forced-{time.monotonic_ns()}", ids)
         cache = self.engine.cache
         table = cache.allocate_slots(fake, len(ids))
         try:
@@ -218,14 +219,6 @@ class Harness:
         finally:
             cache.free(fake)
         return torch.log_softmax(res.logits.float(), dim=-1)
-
-
-@dataclass
-class _Req:
-    request_id: str
-    all_token_ids: list[int]
-    cache_salt: str | None = None
-    adapter_id: str | None = None
 
 
 def kl(ref: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:

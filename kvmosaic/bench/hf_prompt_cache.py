@@ -8,13 +8,7 @@ from __future__ import annotations
 import copy
 from collections import OrderedDict
 
-
-def common_prefix_len(a, b) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
+from ..cache.radix_tree import common_prefix_len
 
 
 class PromptCacheStore:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from tqdm.auto import tqdm
 
-from .hf_prompt_cache import common_prefix_len
+from ..cache.radix_tree import common_prefix_len
 from .prompts import PromptBuilder
 from .worker import PeerProcess
 from .workloads import Workload

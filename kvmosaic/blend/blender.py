@@ -108,9 +108,11 @@ class Blender:
             pick = lambda s: choose(s, opts.ratio, opts.threshold, opts.selection == "random", gen)  # noqa: E731
         out = blend_forward(self.model, self.kv, ids, slots, start, reused, torch.tensor(positions), pick,
                             opts.check_layer)
-        stored = sum(span.num_tokens for span in missing
-                     if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start,
-                                       self._read(slots[span.start : span.end])))
+        stored = 0
+        for span in missing:  # stored with the KV this prompt gave it
+            kvt = self._read(slots[span.start : span.end])
+            if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start, kvt):
+                stored += span.num_tokens
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()
         return BlendResult(out.logits, int(kept.sum()), stored, int((reused & out.recomputed).sum()),

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.paged import PagedKVCache
-from ..model.attention import AttentionMetadata, PrefillSpan, paged_attention
+from ..model.attention import AttentionMetadata, PrefillSpan, paged_attention, prefill_mask
 from ..model.llama import LlamaForCausalLM
 from .select import deviation
 
@@ -41,7 +41,11 @@ def _meta(slots: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> 
     """Queries at positions ``q_pos`` (ascending, distinct) attend causally to the context."""
     n = ctx_slots.numel()
     is_tail = q_pos.numel() > 0 and int(q_pos[0]) == n - q_pos.numel()  # the context's last tokens
-    mask = None if is_tail else torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
+    if is_tail:
+        mask = prefill_mask(q_pos.numel(), n)
+        mask = None if mask is None else mask.to(q_pos.device)
+    else:
+        mask = torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
     return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, mask)])
 
 

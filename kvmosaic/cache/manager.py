@@ -41,6 +41,17 @@ class CacheRequest(Protocol):
 
 
 @dataclass
+class PlainRequest:
+    """A :class:`CacheRequest` for callers outside the engine (tools, benchmarks)."""
+
+    request_id: str
+    all_token_ids: list[int]
+    cache_salt: str | None = None
+    adapter_id: str | None = None
+    priority: int = 0
+
+
+@dataclass
 class MatchResult:
     """A cached prefix found for a request: ``blocks`` hold its first ``num_tokens`` tokens.
 

@@ -80,7 +80,10 @@ class EvictResult:
     num_nodes: int = 0
 
 
-def _common_len(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_len(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens ``a`` and ``b`` share."""
+    if type(a) is not type(b):  # slices of a list and a tuple never compare equal
+        a, b = list(a), list(b)
     n = min(len(a), len(b))
     if a[:n] == b[:n]:
         return n
@@ -123,7 +126,7 @@ class RadixTree:
             child = node.children.get(tokens[pos])
             if child is None:
                 break
-            c = _common_len(child.key, tokens[pos : pos + len(child.key)])
+            c = common_prefix_len(child.key, tokens[pos : pos + len(child.key)])
             reach = child.start + c
             first = child.start // bs
             del table[first:]  # the deeper node's block wins where both cover one
@@ -162,7 +165,7 @@ class RadixTree:
                     self._extend(node, tokens[pos:n], blocks, priority)
                     return node
                 return self._add_leaf(node, tokens[pos:n], blocks, priority)
-            c = _common_len(child.key, tokens[pos : pos + len(child.key)])
+            c = common_prefix_len(child.key, tokens[pos : pos + len(child.key)])
             if c < len(child.key) and pos + c < n:
                 child = self._split(child, c)
             node, pos = child, pos + c

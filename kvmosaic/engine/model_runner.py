@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.paged import PagedKVCache
-from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, prefill_mask
 from ..model.llama import LlamaForCausalLM
 from .scheduler import ScheduledSeq
 
@@ -41,7 +41,7 @@ class ModelRunner:
                 dec_index.append(t)
                 dec_slots.append(slots)
             else:
-                prefills.append(PrefillSpan(t, t + n, slots, None))
+                prefills.append(PrefillSpan(t, t + n, slots, prefill_mask(n, end)))
             t += n
             if end == s.seq.num_tokens:
                 logits_index.append(t - 1)
