@@ -117,8 +117,9 @@ def _parse_redis(spec: str) -> TierSpec:
         (ours if k in _REDIS_KEYS | _COMMON_KEYS else theirs).append((k, v))
     opts = _options(ours, spec)
     url = urlunsplit((u.scheme, u.netloc, u.path, urlencode(theirs), u.fragment))
+    capacity, policy = opts.pop("capacity", None), opts.pop("policy", None)
     _check_keys("redis", opts, spec)
-    return TierSpec("redis", opts.pop("capacity", None), url=url, policy=opts.pop("policy", None), options=opts)
+    return TierSpec("redis", capacity, url=url, policy=policy, options=opts)
 
 
 _COMMON_KEYS = {"policy", "k", "name", "capacity"}

@@ -1,0 +1,135 @@
+"""The on-tier value format (kvmosaic/tiers/format.py): a value decodes only if it is intact and is
+the block the caller expects; every failure is a CorruptEntry with a metrics reason."""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvmosaic.tiers.format import (
+    CHECKSUM_SIZE,
+    HEADER_SIZE,
+    MAGIC,
+    BlockMeta,
+    CorruptEntry,
+    decode_block,
+    encode_block,
+    read_meta,
+)
+
+SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block tokens, KV heads, head dim
+
+
+def meta(tokens=(11, 12, 13, 14), key=b"\x01" * 16, **kw) -> BlockMeta:
+    base = BlockMeta(fingerprint="smollm2-q4_1:abc", dtype="bfloat16", block_size=4,
+                     layout="L,2,B,H,D", shape=SHAPE, token_ids=tuple(tokens), block_hash=key)
+    return dataclasses.replace(base, **kw)
+
+
+PAYLOAD = bytes(range(256)) * 1  # 2*2*4*1*8 elements * 2 bytes = 256
+
+
+def reason(data, expected) -> str:
+    with pytest.raises(CorruptEntry) as e:
+        decode_block(data, expected)
+    return e.value.reason
+
+
+def test_round_trip():
+    m = meta()
+    value = encode_block(m, PAYLOAD)
+    assert value.startswith(MAGIC)
+    assert decode_block(value, m) == PAYLOAD
+    assert decode_block(bytearray(value), m) == PAYLOAD
+    assert read_meta(value) == m
+
+
+def test_payload_can_be_a_memoryview():
+    m = meta()
+    assert decode_block(encode_block(m, memoryview(bytearray(PAYLOAD))), m) == PAYLOAD
+
+
+@pytest.mark.parametrize(
+    "field,value,why",
+    [
+        ("fingerprint", "other-model", "fingerprint"),
+        ("dtype", "float16", "dtype"),
+        ("block_size", 8, "block_size"),
+        ("layout", "L,B,2,H,D", "layout"),
+        ("shape", (2, 2, 4, 2, 4), "layout"),
+        ("token_ids", (11, 12, 13, 15), "tokens"),
+        ("block_hash", b"\x02" * 16, "key"),
+    ],
+)
+def test_any_meta_mismatch_is_rejected(field, value, why):
+    stored = encode_block(meta(), PAYLOAD)
+    assert reason(stored, dataclasses.replace(meta(), **{field: value})) == why
+
+
+def test_payload_size_must_match_shape_and_dtype():
+    assert reason(encode_block(meta(), PAYLOAD[:-2]), meta()) == "payload"
+
+
+def test_unknown_dtype_skips_only_the_size_check():
+    m = meta(dtype="custom4")
+    assert decode_block(encode_block(m, b"xyz"), m) == b"xyz"
+
+
+@pytest.mark.parametrize("cut", [0, 3, HEADER_SIZE - 1, HEADER_SIZE, HEADER_SIZE + 5, -CHECKSUM_SIZE, -1])
+def test_truncation(cut):
+    value = encode_block(meta(), PAYLOAD)
+    assert reason(value[:cut], meta()) == "truncated"
+
+
+def test_trailing_bytes():
+    assert reason(encode_block(meta(), PAYLOAD) + b"\0", meta()) == "header"
+
+
+def test_bad_magic_and_version():
+    value = bytearray(encode_block(meta(), PAYLOAD))
+    assert reason(b"XXXX" + value[4:], meta()) == "header"
+    struct.pack_into("<H", value, 4, 99)
+    assert reason(value, meta()) == "version"
+
+
+@pytest.mark.parametrize("where", ["meta", "payload", "checksum"])
+def test_flipped_byte_fails_the_checksum(where):
+    m = meta()
+    value = bytearray(encode_block(m, PAYLOAD))
+    pos = {"meta": HEADER_SIZE + 3, "payload": len(value) - CHECKSUM_SIZE - 7, "checksum": len(value) - 1}[where]
+    value[pos] ^= 0x40
+    assert reason(value, m) == "checksum"
+
+
+def test_a_valid_entry_with_unreadable_meta_is_a_header_error():
+    # a checksum-valid value whose meta is not JSON (a foreign writer): rejected, not crashed
+    import xxhash
+
+    body = struct.pack("<4sHHIQ", MAGIC, 1, 0, 3, 0) + b"{{{"
+    assert reason(body + xxhash.xxh3_128_digest(body), meta()) == "header"
+
+
+@settings(max_examples=300, deadline=None)
+@given(pos=st.integers(min_value=0), bit=st.integers(min_value=0, max_value=7))
+def test_any_single_bit_flip_is_rejected(pos, bit):
+    m = meta()
+    value = bytearray(encode_block(m, PAYLOAD))
+    value[pos % len(value)] ^= 1 << bit
+    with pytest.raises(CorruptEntry):
+        decode_block(value, m)
+
+
+def test_import_is_light():
+    """kvmosaic.tiers loads neither torch, transformers nor redis-py (built lazily)."""
+    code = (
+        "import sys, kvmosaic.tiers, kvmosaic.tiers.redis_server\n"
+        "bad = [m for m in ('torch', 'transformers', 'redis', 'numpy') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
