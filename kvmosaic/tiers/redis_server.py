@@ -78,6 +78,8 @@ class RedisServer:
     def start(self, timeout: float = 10.0) -> RedisServer:
         if self.running:
             return self
+        if ping(self.port, self.host):
+            raise RuntimeError(f"a Redis already answers on {self.host}:{self.port}")
         args = [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "no", "--dir", self._dir.name, "--daemonize", "no",
                 "--protected-mode", "no", "--loglevel", "warning"]
