@@ -21,6 +21,7 @@ See docs/ARCHITECTURE.md (storage tiers).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import threading
@@ -144,7 +145,8 @@ class DiskTier(Tier):
         try:
             with open(path, "rb") as f:
                 value = f.read()
-            os.utime(path)
+            with contextlib.suppress(OSError):
+                os.utime(path)  # keeps the LRU order across restarts; a read-only dir still reads
         except FileNotFoundError:
             self._forget(key)
             return None

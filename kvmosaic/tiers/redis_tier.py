@@ -69,7 +69,7 @@ class RedisTier(Tier):
         self._state = "up"
         self._backoff = backoff
         self._retry_at = 0.0
-        self._stored_bytes = 0
+        self._used_memory = 0
         self.last_error: str | None = None
 
     # -- health ------------------------------------------------------------------------------
@@ -125,9 +125,9 @@ class RedisTier(Tier):
 
     @property
     def used_bytes(self) -> int:
-        """Bytes this client stored (Redis may have evicted some; the server's own figure is in
-        ``server_info()['used_memory']``)."""
-        return self._stored_bytes
+        """Redis's ``used_memory`` as last read by ``server_info()`` (0 before; no network here).
+        The whole server's figure: other prefixes and other processes' blocks count too."""
+        return self._used_memory
 
     def contains(self, key: bytes) -> bool:
         return self.contains_many([key])[0]
@@ -155,7 +155,6 @@ class RedisTier(Tier):
         if not ok:
             self.stats.add(store_rejected=1)
             return False
-        self._stored_bytes += size
         self.stats.add(stores=1, bytes_stored=size)
         return True
 
@@ -186,14 +185,15 @@ class RedisTier(Tier):
                 self._client.unlink(*batch)
             return True
 
-        if self._call(run, False):
-            self._stored_bytes = 0
+        self._call(run, False)
 
     def server_info(self) -> dict[str, Any]:
         """Redis's own memory figures (empty while down)."""
         info = self._call(lambda: self._client.info(), {})
         keys = ("used_memory", "maxmemory", "maxmemory_policy", "evicted_keys", "keyspace_hits", "keyspace_misses")
-        return {k: info[k] for k in keys if k in info}
+        out = {k: info[k] for k in keys if k in info}
+        self._used_memory = out.get("used_memory", self._used_memory)
+        return out
 
     def close(self) -> None:
         with contextlib.suppress(Exception):
