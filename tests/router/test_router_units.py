@@ -1,0 +1,124 @@
+"""Router units: the index (gaps, resets, death), policies, prompt hashes equal the engine's,
+the simulator on a tiny config, and the torch-free import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from kvmosaic.cache.block_pool import BlockPool
+from kvmosaic.cache.events import EventLog
+from kvmosaic.cache.manager import HashCacheManager, PlainRequest
+from kvmosaic.router import (
+    CacheAware,
+    ClusterIndex,
+    PromptHasher,
+    ReplicaLoad,
+    RouteRequest,
+    make_policy,
+)
+from kvmosaic.server.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+)
+
+H = PromptHasher.for_model("fp", "bfloat16", 4, "sha256_cbor")
+
+
+def stored(hashes, medium=None):
+    return BlockStored(list(hashes), None, [0] * 4 * len(hashes), 4, None, medium)
+
+
+def test_router_imports_without_torch():
+    code = "import sys, kvmosaic.router; print(any(m in sys.modules for m in ('torch', 'transformers')))"
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == "False"
+
+
+def test_prompt_hashes_equal_the_engines():
+    tokens = list(range(3, 40))
+    for salt in (None, "tenant-1"):
+        mgr = HashCacheManager(BlockPool(32, 4), H.seed, H.hash_fn)
+        req = PlainRequest("r", tokens, salt)
+        assert H.hashes(tokens, salt, reusable_only=False) == mgr.hasher(req).update(tokens)
+    assert len(H.hashes(tokens[:8])) == 1  # the last token is always recomputed
+    assert H.hashes(tokens, "a") != H.hashes(tokens, "b")
+
+
+def test_index_follows_a_real_pool_with_gaps_resets_and_death():
+    pool = BlockPool(8, 4, events=EventLog(enabled=True))
+    mgr = HashCacheManager(pool, H.seed, H.hash_fn)
+    index = ClusterIndex(4)
+    seq = 0
+    for i in range(6):  # eviction pressure: 6 requests x 3 blocks in 8 blocks
+        req = PlainRequest(f"r{i}", [i * 100 + t for t in range(13)])
+        m = mgr.match_prefix(req)
+        mgr.allocate_slots(req, 13, m)
+        mgr.commit(req, 13)
+        mgr.free(req)
+        evs = pool.events.drain()
+        evs = evs[0] if isinstance(evs, tuple) else evs
+        from kvmosaic.server.events import to_wire
+        index.apply("r0", seq, KVEventBatch(0.0, [to_wire(e) for e in evs]), now=0.0)
+        seq += 1
+    assert index.cached_hashes("r0") == set(pool.cached)
+    chain = H.hashes([500 + t for t in range(13)])
+    assert index.match(chain, expected=False)["r0"].blocks == 3
+    # a duplicate is ignored; a jump is a gap and makes the view stale
+    assert not index.apply("r0", seq - 1, KVEventBatch(0.0, []), now=0.0)
+    index.apply("r0", seq + 2, KVEventBatch(0.0, [BlockRemoved([chain[0]], None)]), now=0.0)
+    assert index.replicas["r0"].gaps == 2 and not index.fresh("r0")
+    index.apply("r0", seq + 3, KVEventBatch(0.0, [AllBlocksCleared()]), now=0.0)
+    assert index.fresh("r0") and not index.holders
+    # a restart (numbering begins again) resets the view; death drops its entries
+    index.apply("r0", 0, KVEventBatch(0.0, [stored(chain)]), now=0.0)
+    assert index.cached_hashes("r0") == set(chain) and index.replicas["r0"].resets == 1
+    index.remove_replica("r0")
+    assert not index.holders and "r0" not in index.replicas
+
+
+def test_tier_credit_and_expectations():
+    index = ClusterIndex(4, clock=lambda: 0.0)
+    chain = H.hashes(list(range(3, 30)))
+    index.apply("a", 0, KVEventBatch(0.0, [stored(chain, "disk")]), now=0.0)
+    index.apply("b", 0, KVEventBatch(0.0, [stored(chain[:2], "GPU")]), now=0.0)
+    m = index.match(chain)
+    assert m["a"].blocks == len(chain) and m["a"].credit_tokens == 0.5 * 4 * len(chain)
+    assert m["b"].blocks == 2 and m["b"].credit_tokens == 8
+    index.expect("c", chain, ttl_s=1.0, now=0.0)
+    assert index.match(chain)["c"].blocks == len(chain) and "c" not in index.match(chain, expected=False)
+
+
+def test_cache_aware_prefers_holder_balances_when_loaded_and_falls_back_when_stale():
+    index = ClusterIndex(4, clock=lambda: 0.0)
+    pol = CacheAware(index, H, load_bound_tokens=1000, expect_ttl_s=0)
+    toks = list(range(3, 60))
+    index.apply("b", 0, KVEventBatch(0.0, [stored(H.hashes(toks))]), now=0.0)
+    index.add_replica("a")
+    reps = [ReplicaLoad("a", 0, 0), ReplicaLoad("b", 20, 1)]
+    assert pol.choose(RouteRequest("1", toks), reps) == ("b", "cache_hit")
+    assert pol.choose(RouteRequest("2", toks), [ReplicaLoad("a", 2000), ReplicaLoad("b", 3000)]) == ("a", "load_balance")
+    index.apply("b", 5, KVEventBatch(0.0, []), now=0.0)  # gap: b is stale
+    index.replicas["a"].stale = True
+    assert pol.choose(RouteRequest("3", toks), reps) == ("a", "fallback")
+
+
+def test_simple_policies():
+    reps = [ReplicaLoad("a", 10), ReplicaLoad("b", 0), ReplicaLoad("c", 5)]
+    rr = make_policy("round-robin")
+    assert [rr.choose(RouteRequest(str(i), [1]), reps)[0] for i in range(4)] == ["a", "b", "c", "a"]
+    assert make_policy("least-loaded").choose(RouteRequest("x", [1]), reps)[0] == "b"
+    tree = make_policy("approximate-tree")
+    first, _ = tree.choose(RouteRequest("1", list(range(64))), reps)
+    assert tree.choose(RouteRequest("2", list(range(64)) + [9]), reps) == (first, "cache_hit")
+
+
+def test_simulator_tiny(tmp_path):
+    from kvmosaic.sim.report import run_grid
+
+    rows = run_grid([4], 6, tmp_path)
+    by = {r["policy"]: r for r in rows}
+    assert set(by) == {"round-robin", "least-loaded", "approximate-tree", "cache-aware", "oracle"}
+    assert by["cache-aware"]["hit_rate"] >= by["round-robin"]["hit_rate"]
+    assert (tmp_path / "sim.md").exists() and (tmp_path / "sim.json").exists()
