@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cache.block_pool import BlockPool
-from .cache.hashing import BlockHasher, get_hash_fn, make_seed
+from .cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed
 from .cache.manager import HashCacheManager, KVCacheManager, PlainRequest
 from .cache.radix import RadixCacheManager
 from .cache.radix_tree import common_prefix_len
@@ -90,8 +90,8 @@ def compare(a: Prompt, b: Prompt, block_size: int = 16, hash_algo: str = "sha256
         if common == len(a.tokens) and common < limit:
             ex.reasons.append(f"a ends at token {common}: the rest of b was never computed")
     seed = make_seed("explain", "any", bs, hash_algo)
-    ha = BlockHasher(seed, bs, get_hash_fn(hash_algo), a.cache_salt, a.adapter_id).update(a.tokens)
-    hb = BlockHasher(seed, bs, get_hash_fn(hash_algo), b.cache_salt, b.adapter_id).update(b.tokens)
+    ha = BlockHasher(CacheNamespace(seed, a.cache_salt, a.adapter_id), bs, get_hash_fn(hash_algo)).update(a.tokens)
+    hb = BlockHasher(CacheNamespace(seed, b.cache_salt, b.adapter_id), bs, get_hash_fn(hash_algo)).update(b.tokens)
     if ex.break_block is not None:
         i = ex.break_block
         ex.hash_a = ha[i].hex()[:12] if i < len(ha) else "(partial block: no hash)"

@@ -124,18 +124,18 @@ def test_blended_kv_never_serves_as_an_exact_prefix(llm):
 def test_a_separator_marks_segments_in_a_text_prompt(llm):
     e = llm.engine
     sep = "<|doc|>"
-    e.config.segment_separator = sep
+    e.inputs.segment_separator = sep  # as LLM(segment_separator=sep) sets it
     try:
         e.segment_reuse.store.clear()
         text = HEAD + sep + sep.join(DOCS) + sep + TAIL
-        marked = e.segmented(text)
-        as_dict = e.segmented({"prompt": HEAD, "segments": DOCS, "suffix": TAIL})
+        marked = e.inputs.segmented(text)
+        as_dict = e.inputs.segmented({"prompt": HEAD, "segments": DOCS, "suffix": TAIL})
         assert marked == as_dict and sep not in marked.text
-        assert e.segmented(HEAD + TAIL) is None  # no separator: an ordinary prompt
+        assert e.inputs.segmented(HEAD + TAIL) is None  # no separator: an ordinary prompt
         e.config.segment_reuse = "shift"
         first = llm.generate(text, GREEDY)[0]
         again = llm.generate(HEAD + sep + sep.join(DOCS[::-1]) + sep + TAIL, GREEDY)[0]
         assert first.num_segment_tokens == 0 and again.num_segment_tokens > 0
         assert first.prompt_token_ids == as_dict.token_ids
     finally:
-        e.config.segment_separator = None
+        e.inputs.segment_separator = None

@@ -6,7 +6,8 @@ import torch
 
 from kvmosaic.blend.rope import rerotate
 from kvmosaic.blend.select import choose, deviation
-from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_namespace
+from kvmosaic.cache.hashing import CacheNamespace
+from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_seed
 from kvmosaic.model.llama import RotaryEmbedding, apply_rope
 
 HEAD_DIM, THETA = 64, 100000.0
@@ -35,14 +36,15 @@ def test_rerotation_per_token_and_layers():
 
 
 def test_segment_keys_depend_on_tokens_and_namespace_only():
-    ns = segment_namespace("model-a", "float32")
+    seed = segment_seed("model-a", "float32")
+    ns = CacheNamespace(seed)
     toks = [5, 6, 7]
     assert segment_key(ns, toks) == segment_key(ns, list(toks))
-    assert segment_key(ns, toks, "s1") != segment_key(ns, toks, "s2")
-    assert segment_key(ns, toks, "s1") != segment_key(ns, toks)
-    assert segment_key(ns, toks, None, "lora") != segment_key(ns, toks)
-    assert segment_key(segment_namespace("model-b", "float32"), toks) != segment_key(ns, toks)
-    assert segment_key(segment_namespace("model-a", "bfloat16"), toks) != segment_key(ns, toks)
+    assert segment_key(CacheNamespace(seed, "s1"), toks) != segment_key(CacheNamespace(seed, "s2"), toks)
+    assert segment_key(CacheNamespace(seed, "s1"), toks) != segment_key(ns, toks)
+    assert segment_key(CacheNamespace(seed, None, "lora"), toks) != segment_key(ns, toks)
+    assert segment_key(CacheNamespace(segment_seed("model-b", "float32")), toks) != segment_key(ns, toks)
+    assert segment_key(CacheNamespace(segment_seed("model-a", "bfloat16")), toks) != segment_key(ns, toks)
 
 
 def test_segment_index_lru_under_budget():

@@ -7,7 +7,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvmosaic.cache.block_pool import BlockPool, FreeBlockQueue, KVBlock, NoFreeBlocksError
+from kvmosaic.cache.block import FreeBlockQueue, KVBlock, NoFreeBlocksError
+from kvmosaic.cache.block_pool import BlockPool
 
 
 class PoolMachine(RuleBasedStateMachine):

@@ -46,7 +46,7 @@ def test_stops(llm):
     out = llm.generate("Count: 1, 2, 3,", SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[tok]))[0]
     assert out.token_ids == base.token_ids[:3] and out.stop_reason == tok
     chat = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0.0, max_tokens=32))[0]
-    assert chat.finish_reason == "stop" and chat.token_ids[-1] == llm.engine.eos_token_id
+    assert chat.finish_reason == "stop" and chat.token_ids[-1] == llm.tokenizer.eos_token_id
 
 
 def test_salts_isolate_and_same_salt_shares(llm):

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from kvmosaic.cache.block_pool import BlockPool
-from kvmosaic.cache.hashing import BlockHasher, get_hash_fn, make_seed
+from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed
 from kvmosaic.cache.manager import HashCacheManager
 
 ALGOS = ["sha256_cbor", "xxh3_128"]
@@ -16,7 +16,7 @@ ALGOS = ["sha256_cbor", "xxh3_128"]
 
 def chain(tokens, algo="sha256_cbor", salt=None, adapter=None, seed=None, bs=4):
     seed = seed or make_seed("model-a", "bfloat16", bs, algo)
-    return BlockHasher(seed, bs, get_hash_fn(algo), salt, adapter).update(tokens)
+    return BlockHasher(CacheNamespace(seed, salt, adapter), bs, get_hash_fn(algo)).update(tokens)
 
 
 @pytest.mark.parametrize("algo", ALGOS)
@@ -54,9 +54,9 @@ def test_seed_covers_model_dtype_block_size():
 @pytest.mark.parametrize("algo", ALGOS)
 def test_stable_across_processes(algo):
     code = (
-        "from kvmosaic.cache.hashing import BlockHasher, get_hash_fn, make_seed;"
+        "from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed;"
         f"s = make_seed('model-a', 'bfloat16', 4, '{algo}');"
-        f"print(BlockHasher(s, 4, get_hash_fn('{algo}'), 'salt').update(list(range(9)))[-1].hex())"
+        f"print(BlockHasher(CacheNamespace(s, 'salt'), 4, get_hash_fn('{algo}')).update(list(range(9)))[-1].hex())"
     )
     env = {"PYTHONHASHSEED": "123"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..cache.segments import segment_namespace
+from ..cache.segments import segment_seed
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from .blender import BlendOptions, Blender
@@ -30,7 +30,7 @@ class SegmentReuse:
                              f"got {config.blend_check_layer}")
         self.config = config  # the EngineConfig; read on every use, so changes apply at once
         self.kv = kv
-        self.store = SegmentKVStore(config.segment_cache_memory, segment_namespace(model_fingerprint, config.dtype))
+        self.store = SegmentKVStore(config.segment_cache_memory, segment_seed(model_fingerprint, config.dtype))
         self.blender = Blender(model, kv, self.store)
         self.selection = "deviation"  # "random": the baseline that deviation scores must beat
 

@@ -11,17 +11,18 @@ from collections.abc import Sequence
 
 import torch
 
+from ..cache.hashing import CacheNamespace
 from ..cache.segments import SegmentEntry, SegmentIndex, segment_key
 
 
 class SegmentKVStore:
-    def __init__(self, capacity_bytes: int, namespace: bytes) -> None:
+    def __init__(self, capacity_bytes: int, seed: bytes) -> None:
         self.index = SegmentIndex(capacity_bytes)
-        self.namespace = namespace
+        self.seed = seed
         self.tensors: dict[bytes, torch.Tensor] = {}
 
     def key(self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None) -> bytes:
-        return segment_key(self.namespace, tokens, cache_salt, adapter_id)
+        return segment_key(CacheNamespace(self.seed, cache_salt, adapter_id), tokens)
 
     def get(
         self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None = None

@@ -1,6 +1,13 @@
 """The block pool: reference counts, the content index, a free list and an evictor.
 
-Invariants (checked by :meth:`BlockPool.check_invariants`, property-tested):
+It is also the one source of cache events for both backends: a block enters the content
+index only through :meth:`BlockPool.cache_block` (``BlockStored``) and leaves it only through
+:meth:`BlockPool.uncache_block` (``BlockRemoved``; counted as an eviction when memory was
+needed) or :meth:`BlockPool.reset_prefix_cache` (``AllBlocksCleared``), so a subscriber's
+view of the cached hashes equals ``BlockPool.cached`` (tests: test_cache_events.py).
+
+Invariants (docs/ARCHITECTURE.md, invariant 2; checked by :meth:`BlockPool.check_invariants`
+and property-tested in test_block_pool.py and test_radix_tree.py):
 
 * every block is in exactly one state: *in use* (``ref_cnt > 0``), *evictable*
   (``ref_cnt == 0`` and it holds a hash, so its KV can still be hit), or *free*
@@ -15,7 +22,8 @@ Invariants (checked by :meth:`BlockPool.check_invariants`, property-tested):
   evicted); at most ``max_pinned_blocks`` distinct blocks are pinned.
 
 Other owners of references (a radix tree holds one per node covering a block) are in use
-as far as the pool knows; they give blocks back with :meth:`free_blocks`.
+as far as the pool knows; they give blocks back with :meth:`free_blocks`, and drop a block's
+hash with :meth:`uncache_block` when its content stops being reachable.
 """
 
 from __future__ import annotations
@@ -23,42 +31,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterable, Sequence
 
-from .eviction import Evictor, FreeBlockQueue, make_evictor
+from .block import FreeBlockQueue, KVBlock, NoFreeBlocksError
+from .eviction import Evictor, make_evictor
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
 from .hashing import BlockHash
 
 __all__ = ["BlockPool", "FreeBlockQueue", "KVBlock", "NoFreeBlocksError"]
-
-
-class KVBlock:
-    """Bookkeeping for one physical block of the KV pool (the tensors live in ``kv/``).
-
-    ``last_access``, ``hits`` and ``priority`` feed the eviction policy: the pool's logical
-    clock at the last reference taken or dropped, the references taken since the block was
-    (re)filled, and the highest priority of a request that dropped a reference to it.
-    """
-
-    __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free",
-                 "last_access", "hits", "priority")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref_cnt = 0
-        self.block_hash: BlockHash | None = None
-        self.token_ids: tuple[int, ...] | None = None  # kept only when tokens are verified
-        self.prev_free: KVBlock | None = None
-        self.next_free: KVBlock | None = None
-        self.last_access = 0
-        self.hits = 0
-        self.priority = 0
-
-    def __repr__(self) -> str:
-        h = self.block_hash.hex()[:8] if self.block_hash else None
-        return f"KVBlock(id={self.block_id}, ref={self.ref_cnt}, hash={h})"
-
-
-class NoFreeBlocksError(RuntimeError):
-    pass
 
 
 class BlockPool:
@@ -72,6 +50,7 @@ class BlockPool:
         verify_tokens: bool = False,
         eviction_policy: str = "lru",
         max_pinned_blocks: int | None = None,
+        medium: str = "CPU",
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the pool needs at least one block")
@@ -84,6 +63,7 @@ class BlockPool:
         self.cached: dict[BlockHash, KVBlock] = {}
         self.events = events or EventLog()
         self.verify_tokens = verify_tokens
+        self.medium = medium  # where the pool lives, as KV events name it ("GPU", "CPU")
         self.num_evictions = 0
         self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         self.pinned: dict[int, int] = {}  # block_id -> pin count
@@ -105,14 +85,6 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         return self.num_blocks - self.num_free_blocks
-
-    @property
-    def num_pinned_blocks(self) -> int:
-        return len(self.pinned)
-
-    @property
-    def usage(self) -> float:
-        return self.num_used_blocks / self.num_blocks
 
     def get_cached_block(
         self, block_hash: BlockHash, token_ids: Sequence[int] | None = None
@@ -214,16 +186,21 @@ class BlockPool:
             block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
         self.events.emit(
-            BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, adapter_id)
+            BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, adapter_id, self.medium)
         )
         return True
 
-    def _evict(self, block: KVBlock) -> None:
+    def uncache_block(self, block: KVBlock, evicted: bool = True) -> None:
+        """Take a block out of the content index (its KV stays until it is overwritten).
+        ``evicted``: it goes because memory is needed, which the eviction counter counts."""
         del self.cached[block.block_hash]
-        self.events.emit(BlockRemoved([block.block_hash]))
+        self.events.emit(BlockRemoved([block.block_hash], self.medium))
         block.block_hash = None
         block.token_ids = None
-        self.num_evictions += 1
+        self.num_evictions += evicted
+
+    def _evict(self, block: KVBlock) -> None:
+        self.uncache_block(block)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block and every pin. Refused (returns False) while any block

@@ -1,7 +1,9 @@
 """Cache events, shaped like vLLM's KV events so a router can follow what a replica holds.
 
-The block pool appends events to a :class:`EventLog`; a publisher (see ``server/events.py``)
-drains it after each engine step. Hashes are the raw block-hash bytes.
+The block pool (for both backends) appends events to an :class:`EventLog`; a publisher (see
+``server/events.py``) drains it after each engine step. Hashes are the raw block-hash bytes.
+``medium`` names where the block lives, as vLLM's events do ("GPU" or "CPU" for the pool; a
+storage tier reports its own).
 """
 
 from __future__ import annotations
@@ -35,16 +37,31 @@ KVCacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 @dataclass
 class EventLog:
-    """A bounded buffer of events; disabled logs drop everything at no cost."""
+    """A bounded buffer of events; disabled logs drop everything at no cost.
+
+    Past ``max_pending`` undrained events, new ones are dropped and counted: ``num_dropped``
+    (for /metrics) and ``dropped_since_drain``, which the publisher turns into a skipped
+    sequence number, so a subscriber sees the loss as a gap and rebuilds its view (a dropped
+    event cannot be replayed: the view must be reset, not patched).
+    """
 
     enabled: bool = False
     max_pending: int = 100_000
     pending: list[KVCacheEvent] = field(default_factory=list)
+    num_dropped: int = 0
+    dropped_since_drain: int = 0
 
     def emit(self, event: KVCacheEvent) -> None:
-        if self.enabled and len(self.pending) < self.max_pending:
+        if not self.enabled:
+            return
+        if len(self.pending) < self.max_pending:
             self.pending.append(event)
+        else:
+            self.num_dropped += 1
+            self.dropped_since_drain += 1
 
-    def drain(self) -> list[KVCacheEvent]:
+    def drain(self) -> tuple[list[KVCacheEvent], int]:
+        """The pending events, and how many were dropped since the last drain."""
         out, self.pending = self.pending, []
-        return out
+        dropped, self.dropped_since_drain = self.dropped_since_drain, 0
+        return out, dropped

@@ -21,11 +21,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator
 
-if TYPE_CHECKING:
-    from .block_pool import KVBlock
+from .block import FreeBlockQueue, KVBlock
 
 POLICIES = ("lru", "lfu", "slru", "priority")
 
@@ -41,56 +39,6 @@ def order_key(policy: str, last_access: int, hits: int, priority: int) -> tuple[
     if policy == "priority":
         return (priority, last_access)
     raise ValueError(f"unknown eviction_policy {policy!r}; choose one of {POLICIES}")
-
-
-class FreeBlockQueue:
-    """Doubly linked list through the blocks themselves: O(1) push at either end, pop from
-    the head and removal from the middle (a cache hit on an evictable block)."""
-
-    def __init__(self, blocks: Iterable[KVBlock] = ()) -> None:
-        from .block_pool import KVBlock
-
-        self._head = KVBlock(-1)
-        self._tail = KVBlock(-1)
-        self._head.next_free, self._tail.prev_free = self._tail, self._head
-        self._len = 0
-        for b in blocks:
-            self.append(b)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def _link(self, block: KVBlock, prev: KVBlock, nxt: KVBlock) -> None:
-        block.prev_free, block.next_free = prev, nxt
-        prev.next_free = nxt.prev_free = block
-        self._len += 1
-
-    def append(self, block: KVBlock) -> None:
-        self._link(block, self._tail.prev_free, self._tail)
-
-    def appendleft(self, block: KVBlock) -> None:
-        self._link(block, self._head, self._head.next_free)
-
-    def remove(self, block: KVBlock) -> None:
-        if block.prev_free is None or block.next_free is None:
-            raise RuntimeError(f"{block} is not in the free queue")
-        block.prev_free.next_free = block.next_free
-        block.next_free.prev_free = block.prev_free
-        block.prev_free = block.next_free = None
-        self._len -= 1
-
-    def popleft(self) -> KVBlock:
-        if self._len == 0:
-            raise IndexError("no free block")
-        block = self._head.next_free
-        self.remove(block)
-        return block
-
-    def __iter__(self) -> Iterator[KVBlock]:
-        b = self._head.next_free
-        while b is not self._tail:
-            yield b
-            b = b.next_free
 
 
 class Evictor(ABC):

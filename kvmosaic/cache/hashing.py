@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import cbor2
@@ -68,33 +69,39 @@ def hash_block(
     return hash_fn((parent, tuple(tokens), tuple(extra_keys)))
 
 
-def extra_keys_for_block(block_index: int, cache_salt: str | None, adapter_id: str | None) -> tuple:
-    """The salt goes into the first block only (it taints the rest of the chain through
-    the parent hash); the adapter id goes into every block, as vLLM does for LoRA."""
-    keys: list = []
-    if block_index == 0 and cache_salt is not None:
-        keys.append(("salt", cache_salt))
-    if adapter_id is not None:
-        keys.append(("adapter", adapter_id))
-    return tuple(keys)
+@dataclass(frozen=True)
+class CacheNamespace:
+    """What separates cached KV that must never be shared: the engine's ``seed`` (model,
+    KV dtype, block size, hash function), the tenant's ``cache_salt`` and the ``adapter_id``.
+
+    The one home of this fact: the hash chain folds it in (:meth:`extra_keys`), the radix
+    tree keys its roots by it, the segment index and the scheduler's grouping use it. Two
+    requests may share KV only if their namespaces are equal (tests: test_hashing.py,
+    test_radix_tree.py salt isolation).
+    """
+
+    seed: BlockHash
+    cache_salt: str | None = None
+    adapter_id: str | None = None
+
+    def extra_keys(self, block_index: int) -> tuple:
+        """The salt goes into the first block only (it taints the rest of the chain through
+        the parent hash); the adapter id goes into every block, as vLLM does for LoRA."""
+        keys: list = []
+        if block_index == 0 and self.cache_salt is not None:
+            keys.append(("salt", self.cache_salt))
+        if self.adapter_id is not None:
+            keys.append(("adapter", self.adapter_id))
+        return tuple(keys)
 
 
 class BlockHasher:
     """Extends a sequence's hash chain as its tokens grow; only full blocks are hashed."""
 
-    def __init__(
-        self,
-        seed: BlockHash,
-        block_size: int,
-        hash_fn: HashFn,
-        cache_salt: str | None = None,
-        adapter_id: str | None = None,
-    ) -> None:
-        self.seed = seed
+    def __init__(self, namespace: CacheNamespace, block_size: int, hash_fn: HashFn) -> None:
+        self.namespace = namespace
         self.block_size = block_size
         self.hash_fn = hash_fn
-        self.cache_salt = cache_salt
-        self.adapter_id = adapter_id
         self.hashes: list[BlockHash] = []
 
     def update(self, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
@@ -103,7 +110,7 @@ class BlockHasher:
         bs = self.block_size
         n = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
         for i in range(len(self.hashes), n // bs):
-            parent = self.hashes[-1] if self.hashes else self.seed
-            extra = extra_keys_for_block(i, self.cache_salt, self.adapter_id)
+            parent = self.hashes[-1] if self.hashes else self.namespace.seed
+            extra = self.namespace.extra_keys(i)
             self.hashes.append(hash_block(self.hash_fn, parent, token_ids[i * bs : (i + 1) * bs], extra))
         return self.hashes

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .block_pool import BlockPool, KVBlock
-from .hashing import BlockHash, BlockHasher, HashFn
+from .block import KVBlock
+from .block_pool import BlockPool
+from .hashing import BlockHash, BlockHasher, CacheNamespace, HashFn
 
 
 class CacheRequest(Protocol):
@@ -110,12 +111,32 @@ class PrefixCacheStats:
 
 
 class KVCacheManager(ABC):
-    def __init__(self, pool: BlockPool) -> None:
+    """The interface the scheduler drives (see the module docstring), and what both backends
+    share: block tables, the request's hash chain (both name full blocks by it, so both
+    emit the same cache events through the pool), copy-on-write and the query counters."""
+
+    def __init__(self, pool: BlockPool, seed: BlockHash, hash_fn: HashFn) -> None:
         self.pool = pool
+        self.seed = seed
+        self.hash_fn = hash_fn
         self.block_size = pool.block_size
         self.req_blocks: dict[str, list[KVBlock]] = {}
+        self.hashers: dict[str, BlockHasher] = {}
         self.stats = PrefixCacheStats()
         self.pending_copies: list[BlockCopy] = []
+
+    def namespace(self, cache_salt: str | None, adapter_id: str | None) -> CacheNamespace:
+        return CacheNamespace(self.seed, cache_salt, adapter_id)
+
+    def new_hasher(self, cache_salt: str | None = None, adapter_id: str | None = None) -> BlockHasher:
+        return BlockHasher(self.namespace(cache_salt, adapter_id), self.block_size, self.hash_fn)
+
+    def hasher(self, req: CacheRequest) -> BlockHasher:
+        """The request's hash chain, extended incrementally as its tokens grow."""
+        h = self.hashers.get(req.request_id)
+        if h is None:
+            h = self.hashers[req.request_id] = self.new_hasher(req.cache_salt, req.adapter_id)
+        return h
 
     # ---- the cache policy (per backend) --------------------------------------------------
     @abstractmethod
@@ -192,12 +213,9 @@ class KVCacheManager(ABC):
 
     def free(self, req: CacheRequest) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
+        self.hashers.pop(req.request_id, None)
         self.on_free(req, blocks)
         self.pool.free_blocks(reversed(blocks), getattr(req, "priority", 0))
-
-    @property
-    def num_running(self) -> int:
-        return len(self.req_blocks)
 
 
 class HashCacheManager(KVCacheManager):
@@ -210,21 +228,11 @@ class HashCacheManager(KVCacheManager):
         hash_fn: HashFn,
         enable_caching: bool = True,
     ) -> None:
-        super().__init__(pool)
-        self.seed = seed
-        self.hash_fn = hash_fn
+        super().__init__(pool, seed, hash_fn)
         self.enable_caching = enable_caching
-        self.hashers: dict[str, BlockHasher] = {}
         self.num_committed: dict[str, int] = {}  # blocks already indexed, per request
         self.pins: dict[int, list[KVBlock]] = {}
         self._pin_ids = itertools.count(1)
-
-    def hasher(self, req: CacheRequest) -> BlockHasher:
-        h = self.hashers.get(req.request_id)
-        if h is None:
-            h = BlockHasher(self.seed, self.block_size, self.hash_fn, req.cache_salt, req.adapter_id)
-            self.hashers[req.request_id] = h
-        return h
 
     def match_prefix(self, req: CacheRequest) -> MatchResult:
         if not self.enable_caching:
@@ -256,7 +264,6 @@ class HashCacheManager(KVCacheManager):
         self.num_committed[req.request_id] = max(start, end)
 
     def on_free(self, req: CacheRequest, blocks: list[KVBlock]) -> None:
-        self.hashers.pop(req.request_id, None)
         self.num_committed.pop(req.request_id, None)
 
     def reset_prefix_cache(self) -> bool:
@@ -271,7 +278,7 @@ class HashCacheManager(KVCacheManager):
     ) -> PinResult:
         if not self.enable_caching:
             return PinResult(None, 0, 0)
-        hasher = BlockHasher(self.seed, self.block_size, self.hash_fn, cache_salt, adapter_id)
+        hasher = self.new_hasher(cache_salt, adapter_id)
         bs = self.block_size
         blocks: list[KVBlock] = []
         for i, h in enumerate(hasher.update(token_ids)):

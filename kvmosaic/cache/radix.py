@@ -5,7 +5,7 @@ reuses the whole blocks before it and copies the matched head of the partial blo
 fresh block (copy-on-write, queued as a :class:`BlockCopy`), unless fewer than
 ``min_cow_tokens`` tokens would be copied (then recomputing them is cheaper).
 
-Accounting (invariant 2 of DESIGN.md): tree nodes hold pool references, so a cached block
+Accounting (docs/ARCHITECTURE.md, invariant 2): tree nodes hold pool references, so a cached block
 is *in use* for the pool; :meth:`RadixCacheManager.size_info` sorts blocks into free (no
 reference), evictable (every reference is held by an unlocked tree node) and in use (held
 by a request, or by a locked or pinned node): ``free + evictable + in_use == total``. When
@@ -19,11 +19,11 @@ included, makes the generated tokens reusable (turn 2 of a chat reuses turn 1).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
-from .hashing import BlockHash
+from .hashing import BlockHash, HashFn, get_hash_fn
 from .manager import CacheRequest, CacheSizeInfo, KVCacheManager, MatchResult, PinResult
 from .radix_tree import RadixNode, RadixTree
 
@@ -58,9 +58,9 @@ class RadixCacheManager(KVCacheManager):
         seed: BlockHash,
         eviction_policy: str = "lru",
         min_cow_tokens: int = DEFAULT_MIN_COW_TOKENS,
+        hash_fn: HashFn | None = None,
     ) -> None:
-        super().__init__(pool)
-        self.seed = seed
+        super().__init__(pool, seed, hash_fn or get_hash_fn("sha256_cbor"))
         self.tree = RadixTree(pool, eviction_policy)
         self.min_cow_tokens = max(1, min_cow_tokens)
         self.anchors: dict[str, _Anchor] = {}
@@ -69,10 +69,6 @@ class RadixCacheManager(KVCacheManager):
         self._pin_ids = itertools.count(1)
         self.num_cow_copies = 0
         self.num_cow_tokens = 0
-
-    def namespace(self, cache_salt: str | None, adapter_id: str | None) -> Hashable:
-        """One root per (model seed, salt, adapter): what separates hash chains."""
-        return (self.seed, cache_salt, adapter_id)
 
     # ---- the cache policy ----------------------------------------------------------------
     def match_prefix(self, req: CacheRequest) -> RadixMatch:
@@ -126,7 +122,8 @@ class RadixCacheManager(KVCacheManager):
         # may have moved them above its parent: walk up until the path is theirs alone.
         while start is not None and start.end > state.committed:
             start = start.parent
-        node = self.tree.insert(ns, tokens, self.req_blocks[rid], start, anchor, getattr(req, "priority", 0))
+        hashes = self.hasher(req).update(tokens)
+        node = self.tree.insert(ns, tokens, self.req_blocks[rid], start, anchor, getattr(req, "priority", 0), hashes)
         if node is not anchor:
             self.tree.lock(node)
             if anchor is not None:

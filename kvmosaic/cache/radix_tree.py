@@ -1,7 +1,14 @@
 """A radix tree of token runs over the paged block pool (SGLang's RadixAttention, paged).
 
-Each namespace (model seed, cache salt, adapter id) has its own root, so two tenants or two
+Each :class:`~kvmosaic.cache.hashing.CacheNamespace` has its own root, so two tenants or two
 adapters never share a node, exactly as their hash chains never share a block.
+
+Full blocks are also named by their chain hash, so a router or a storage tier sees the radix
+backend exactly as it sees the hash backend: when a node is created or grown, every block
+whose *last* position it now covers is indexed in the pool (:meth:`BlockPool.cache_block`,
+one ``BlockStored``); when a leaf is evicted, those blocks leave the index
+(:meth:`BlockPool.uncache_block`, one ``BlockRemoved`` and one eviction each). Splits move no
+block's last position, so they change nothing there.
 
 Invariants (checked by :meth:`RadixTree.check_invariants`, property-tested):
 
@@ -27,10 +34,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from .block_pool import BlockPool, KVBlock
+from .block import KVBlock
+from .block_pool import BlockPool
 from .eviction import order_key
 
 
@@ -38,7 +46,7 @@ class RadixNode:
     __slots__ = ("key", "start", "blocks", "children", "parent", "lock_ref",
                  "last_access", "hits", "priority", "namespace")
 
-    def __init__(self, key: list[int], start: int, parent: RadixNode | None, namespace: Hashable) -> None:
+    def __init__(self, key: list[int], start: int, parent: RadixNode | None, namespace: CacheNamespace) -> None:
         self.key = key
         self.start = start
         self.blocks: list[KVBlock] = []
@@ -107,14 +115,14 @@ class RadixTree:
         self.pool = pool
         self.bs = pool.block_size
         self.policy = policy
-        self.roots: dict[Hashable, RadixNode] = {}
+        self.roots: dict[CacheNamespace, RadixNode] = {}
         self.evictable_size = 0
         self.protected_size = 0
         self.num_evicted_tokens = 0
         self._clock = itertools.count(1)
 
     # ---- lookup --------------------------------------------------------------------------
-    def match(self, namespace: Hashable, tokens: Sequence[int]) -> TreeMatch:
+    def match(self, namespace: CacheNamespace, tokens: Sequence[int]) -> TreeMatch:
         """Longest prefix of ``tokens`` in the tree. No side effects."""
         node = self.roots.get(namespace)
         if node is None:
@@ -139,12 +147,13 @@ class RadixTree:
     # ---- insertion -----------------------------------------------------------------------
     def insert(
         self,
-        namespace: Hashable,
+        namespace: CacheNamespace,
         tokens: Sequence[int],
         blocks: Sequence[KVBlock],
         from_node: RadixNode | None = None,
         owner: RadixNode | None = None,
         priority: int = 0,
+        block_hashes: Sequence[BlockHash] = (),
     ) -> RadixNode:
         """Make ``tokens`` (whose KV the request's ``blocks`` hold) a path of the tree and
         return the deepest node reached (it may extend past ``tokens``). The walk starts at
@@ -152,7 +161,9 @@ class RadixTree:
         blocks (the first copy stays canonical); new nodes reference the request's blocks.
         ``owner`` is the node the caller alone holds locked: if it is the leaf where the walk
         ends and its last block is the request's, it grows in place instead of chaining
-        one-token children (the decode case). New tokens get the request's ``priority``."""
+        one-token children (the decode case). New tokens get the request's ``priority``.
+        ``block_hashes`` is the chain of ``tokens``' full blocks; the blocks the new tokens
+        complete are indexed under it (see the module docstring)."""
         tokens = tokens if isinstance(tokens, list) else list(tokens)
         node = from_node or self.roots.get(namespace)
         if node is None:
@@ -163,8 +174,10 @@ class RadixTree:
             if child is None:
                 if node is owner and self._can_extend(node, blocks):
                     self._extend(node, tokens[pos:n], blocks, priority)
-                    return node
-                return self._add_leaf(node, tokens[pos:n], blocks, priority)
+                else:
+                    node = self._add_leaf(node, tokens[pos:n], blocks, priority)
+                self._index_full_blocks(node, pos, n, tokens, block_hashes)
+                return node
             c = common_prefix_len(child.key, tokens[pos : pos + len(child.key)])
             if c < len(child.key) and pos + c < n:
                 child = self._split(child, c)
@@ -172,6 +185,16 @@ class RadixTree:
             if pos >= n:
                 break
         return node
+
+    def _index_full_blocks(
+        self, node: RadixNode, lo: int, hi: int, tokens: Sequence[int], hashes: Sequence[BlockHash]
+    ) -> None:
+        """Index the blocks of ``node`` whose last position is in ``[lo, hi)``, new to the tree."""
+        bs, first = self.bs, node.start // self.bs
+        for i in range(lo // bs, min(hi // bs, len(hashes))):
+            parent = hashes[i - 1] if i else None
+            self.pool.cache_block(node.blocks[i - first], hashes[i], parent, tokens[i * bs : (i + 1) * bs],
+                                  node.namespace.adapter_id)
 
     def _can_extend(self, node: RadixNode, blocks: Sequence[KVBlock]) -> bool:
         if node.is_root or node.children or node.lock_ref != 1:
@@ -296,6 +319,11 @@ class RadixTree:
     def _remove_leaf(self, leaf: RadixNode) -> None:
         parent = leaf.parent
         del parent.children[leaf.key[0]]
+        first = leaf.start // self.bs
+        for i in range(leaf.start // self.bs, leaf.end // self.bs):  # blocks ending in the leaf
+            block = leaf.blocks[i - first]
+            if block.block_hash is not None:
+                self.pool.uncache_block(block)
         self.pool.free_blocks(reversed(leaf.blocks), leaf.priority)
         self.evictable_size -= len(leaf.key)
         leaf.blocks = []

@@ -1,8 +1,8 @@
 """The segment index: names segments (documents) by content and namespace, and decides which
 to keep under a byte budget. Bookkeeping only; the KV tensors live in ``blend/store.py``.
 
-A segment key is ``hash(namespace, tokens)`` where the namespace folds in what makes KV
-incompatible: model fingerprint, KV dtype, cache salt and adapter id. It does *not* depend on
+A segment key is ``hash(namespace, tokens)`` where the :class:`CacheNamespace` folds in what
+makes KV incompatible: model fingerprint, KV dtype (its seed), cache salt and adapter id. It does *not* depend on
 the segment's position or on the tokens before it, which is what lets a document be found
 again wherever it appears; the blend step corrects for the changed context.
 
@@ -24,19 +24,20 @@ from dataclasses import dataclass
 
 import cbor2
 
+from .hashing import CacheNamespace
+
 SegmentKey = bytes
 
 
-def segment_namespace(model_fingerprint: str, kv_dtype: str) -> bytes:
-    """What every segment key of one engine shares: model identity and KV dtype."""
+def segment_seed(model_fingerprint: str, kv_dtype: str) -> bytes:
+    """The seed of every segment namespace of one engine: model identity and KV dtype (not
+    the block size: a segment is stored by token, wherever its blocks fall)."""
     return hashlib.sha256(cbor2.dumps(["kvmosaic-segment-v1", model_fingerprint, kv_dtype])).digest()
 
 
-def segment_key(
-    namespace: bytes, tokens: Sequence[int], cache_salt: str | None = None, adapter_id: str | None = None
-) -> SegmentKey:
+def segment_key(namespace: CacheNamespace, tokens: Sequence[int]) -> SegmentKey:
     """A segment's name: its tokens in a namespace (salt and adapter taint it)."""
-    payload = [namespace, cache_salt, adapter_id, list(tokens)]
+    payload = [namespace.seed, namespace.cache_salt, namespace.adapter_id, list(tokens)]
     return hashlib.sha256(cbor2.dumps(payload, canonical=True)).digest()
 
 

@@ -167,12 +167,15 @@ class Scheduler:
             return
         bs = self.kv.block_size
         hit = {s.request_id: self.kv.match_prefix(s).num_tokens for s in self.waiting}
+        def group_of(s: Sequence) -> tuple:
+            return self.kv.namespace(s.cache_salt, s.adapter_id), tuple(s.all_token_ids[:bs])
+
         group_arrival: dict[tuple, float] = {}
         for s in sorted(self.waiting, key=lambda s: s.arrival_time):
-            group_arrival.setdefault((s.cache_salt, s.adapter_id, tuple(s.all_token_ids[:bs])), s.arrival_time)
+            group_arrival.setdefault(group_of(s), s.arrival_time)
 
         def lpm_key(s: Sequence) -> tuple:
-            group = group_arrival[(s.cache_salt, s.adapter_id, tuple(s.all_token_ids[:bs]))]
+            group = group_arrival[group_of(s)]
             return (-hit[s.request_id], group, s.arrival_time)
 
         limit = self.config.max_skips

@@ -41,7 +41,7 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
     output_text: str = ""
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # seeded sampling; made on the logits' device
     # Segment reuse: spans still to blend (None: ordinary prefill), tokens served from the
     # segment store, and how many leading tokens are exact enough to index as a prefix.
     segments: tuple | None = None
@@ -50,8 +50,6 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
-        if self.params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -70,12 +68,6 @@ class Sequence:
         """Computed tokens whose KV is exact, so the prefix cache may index them."""
         n = self.num_computed_tokens
         return n if self.cache_limit is None else min(n, self.cache_limit)
-
-    @property
-    def is_prefill(self) -> bool:
-        """Still computing tokens it did not sample itself (the prompt, or after preemption
-        the prompt and earlier outputs)."""
-        return self.num_uncomputed > 1 or self.num_computed_tokens < self.num_prompt_tokens - 1
 
     @property
     def finished(self) -> bool:

@@ -1,7 +1,8 @@
 """The FastAPI application: routes only; the work is in :mod:`serving`.
 
-``/health`` reports the block pool as the engine thread last saw it (after its latest step
-or call): ``kv.num_used_blocks == 0`` with no request running means nothing holds a block.
+``/health`` and ``/metrics`` report the engine's counters as taken between two steps at the
+time of the request: ``kv.num_used_blocks == 0`` with no request running means nothing
+holds a block.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def build_app(
 
     @app.get("/health")
     async def health() -> dict:
-        st = engine.stats
+        st = await engine.refresh_stats()
         return {"status": "ok", "model": model_name,
                 "requests": {"running": st.num_running, "waiting": st.num_waiting},
                 "kv": {"num_blocks": st.num_blocks, "num_used_blocks": st.num_blocks - st.num_free_blocks,
@@ -57,7 +58,7 @@ def build_app(
         tenants.authenticate(request.headers.get("authorization"))
         return {"object": "list", "data": [{
             "id": model_name, "object": "model", "created": created, "owned_by": "kvmosaic",
-            "max_model_len": engine.engine.max_model_len}]}
+            "max_model_len": engine.max_model_len}]}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -76,6 +77,7 @@ def build_app(
 
     @app.get("/metrics")
     async def prometheus() -> Response:
+        await engine.refresh_stats()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -10,8 +10,11 @@ Invariants:
   is aborted; its outputs arrive in order and the last one is ``finished``;
 * a client that goes away aborts its request (:meth:`abort`), which frees its blocks at the
   next step boundary; aborting a finished or unknown request does nothing;
-* after every step and every batch of calls, ``stats`` is a fresh snapshot of the engine's
-  counters and ``on_flush`` hands the drained cache events to the publisher.
+* prompts are tokenised and validated by the engine's (stateless) input processor on a
+  worker thread, not on the engine thread, so a large prompt never stalls a running step;
+* after every step and every batch of calls ``on_flush`` hands the drained cache events
+  (and the count of any the log had to drop) to the publisher. Statistics are taken on
+  demand (:meth:`refresh_stats`, on the engine thread), never per step.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..engine.llm_engine import EngineStats, LLMEngine, RequestOutput
+from ..engine.input_processor import PromptInput
+from ..engine.llm_engine import EngineStats, LLMEngine, ModelInfo, RequestOutput
 from ..engine.sampling_params import SamplingParams
 
 log = logging.getLogger("kvmosaic.server")
@@ -69,11 +73,11 @@ class AsyncEngine:
     def __init__(
         self,
         engine: LLMEngine,
-        on_flush: Callable[[list], None] | None = None,
+        on_flush: Callable[[list, int], None] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
     ) -> None:
         self.engine = engine
-        self.on_flush = on_flush or (lambda events: None)
+        self.on_flush = on_flush or (lambda events, dropped: None)
         self.on_finish = on_finish or (lambda out: None)
         self.stats: EngineStats = engine.get_stats()
         self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future | None]] = \
@@ -83,6 +87,29 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._loop, name="kvmosaic-engine", daemon=True)
 
     # ---- any thread ----------------------------------------------------------------------
+    @property
+    def model_info(self) -> ModelInfo:
+        return self.engine.model_info
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def tokenizer(self):
+        """The engine's tokenizer (its chat template too); safe to use from any thread."""
+        return self.engine.tokenizer
+
+    async def refresh_stats(self, timeout: float = 1.0) -> EngineStats:
+        """A fresh snapshot of the engine's counters, taken between two steps; the previous
+        one when the engine thread is busy for longer than ``timeout`` seconds (a probe must
+        not wait for a long prefill)."""
+        try:
+            self.stats = await asyncio.wait_for(asyncio.shield(self.call(lambda e: e.get_stats())), timeout)
+        except asyncio.TimeoutError:
+            pass
+        return self.stats
+
     def start(self) -> None:
         self._thread.start()
 
@@ -99,20 +126,19 @@ class AsyncEngine:
 
     async def add(
         self,
-        prompt: str | list[int] | dict,
+        prompt: PromptInput,
         make_params: Callable[[int], SamplingParams],
         cache_salt: str | None = None,
     ) -> RequestStream:
-        """Tokenize, build the sampling parameters for the prompt's length (``make_params``
-        may raise ValueError, e.g. when the context is too short) and queue the request.
-        Errors reach the caller and leave the engine as it was."""
+        """Tokenise and validate (off the engine thread), build the sampling parameters for
+        the prompt's length (``make_params`` may raise ValueError, e.g. when the context is
+        too short) and queue the request. Errors reach the caller and change nothing."""
         stream = RequestStream(f"req-{uuid.uuid4().hex}", asyncio.get_running_loop())
+        processed = await asyncio.to_thread(self.engine.inputs.process, prompt, cache_salt)
+        params = make_params(len(processed.prompt_token_ids))
 
         def add(engine: LLMEngine) -> None:
-            segmented = engine.segmented(prompt)  # its spans are needed, not just the ids
-            _, ids, _ = engine.tokenize(segmented or prompt)
-            params = make_params(len(ids))
-            engine.add_request(segmented or ids, params, request_id=stream.request_id, cache_salt=cache_salt)
+            engine.add_processed(processed, params, request_id=stream.request_id)
             self._streams[stream.request_id] = stream
 
         try:
@@ -129,11 +155,10 @@ class AsyncEngine:
     # ---- the engine thread ---------------------------------------------------------------
     def _abort(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
-        seq = self.engine.requests.get(request_id)
-        if seq is None:
+        out = self.engine.abort_request(request_id)
+        if out is None:
             return
-        self.engine.abort_request(request_id)
-        self.on_finish(self.engine.make_output(seq))
+        self.on_finish(out)
         if stream is not None:
             stream.put(RequestAborted(f"request {request_id} was aborted"))
 
@@ -177,11 +202,10 @@ class AsyncEngine:
                 stream.put(out)
 
     def _flush(self) -> None:
-        self.stats = self.engine.get_stats()
-        events = self.engine.events.drain()
-        if events:
+        events, dropped = self.engine.events.drain()
+        if events or dropped:
             try:
-                self.on_flush(events)
+                self.on_flush(events, dropped)
             except Exception:
                 log.exception("publishing cache events failed")
 

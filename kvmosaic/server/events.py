@@ -73,7 +73,9 @@ def to_wire(event: cache_events.KVCacheEvent) -> KVCacheEvent:
 class ZmqEventPublisher:
     """Publishes batches from its own thread, which owns both sockets (ZeroMQ sockets are not
     thread-safe); :meth:`publish` only enqueues, so the engine thread never waits on I/O.
-    Sequence numbers start at 0 and grow by one per batch, with no gaps at the source."""
+    Sequence numbers start at 0 and grow by one per batch. The only gaps at the source stand
+    for events the engine's log dropped (``EventLog.max_pending``): such a sequence number is
+    skipped and never replayed, so every subscriber sees the loss."""
 
     def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None,
                  buffer_batches: int = 10_000, hwm: int = 100_000) -> None:
@@ -87,13 +89,17 @@ class ZmqEventPublisher:
             self._replay = self._ctx.socket(zmq.ROUTER)
             self._replay.bind(replay_endpoint)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
-        self._pending: queue.SimpleQueue[list | None] = queue.SimpleQueue()
+        self._pending: queue.SimpleQueue[list | int | None] = queue.SimpleQueue()
+        self.num_skipped = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._seq = 0
         self._thread = threading.Thread(target=self._run, name="kvmosaic-events", daemon=True)
         self._thread.start()
 
-    def publish(self, events: list[cache_events.KVCacheEvent]) -> None:
+    def publish(self, events: list[cache_events.KVCacheEvent], dropped: int = 0) -> None:
+        """Queue a batch; ``dropped`` > 0 (events lost before this batch) skips a number."""
+        if dropped:
+            self._pending.put(dropped)
         if events:
             self._pending.put(events)
 
@@ -129,7 +135,11 @@ class ZmqEventPublisher:
                     events = []
                 if events is None:
                     return
-                if events:
+                if isinstance(events, int):
+                    log.warning("%d cache events were dropped; sequence number %d skipped", events, self._seq)
+                    self._seq += 1
+                    self.num_skipped += 1
+                elif events:
                     self._send(events)
                 self._serve_replay()
         finally:

@@ -17,8 +17,10 @@ A dashboard built for vLLM carries over by replacing the prefix:
 =====================================================  =======================================
 
 and our own: ``kvmosaic:kv_cache_num_blocks``, ``kvmosaic:kv_cache_free_blocks`` (free or
-evictable), ``kvmosaic:kv_cache_cached_blocks`` (indexed) and ``kvmosaic:kv_cache_evictions_total``. Counters and gauges are read at scrape time from the
-engine's latest stats snapshot, so they cannot drift from what the engine counts.
+evictable), ``kvmosaic:kv_cache_cached_blocks`` (indexed), ``kvmosaic:kv_cache_evictions_total`` (both
+backends) and ``kvmosaic:kv_events_dropped_total``. Counters and gauges are read at scrape
+time from a snapshot the engine thread takes for that scrape, so they cannot drift from what
+the engine counts.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.llm_engine import EngineStats, RequestOutput
+from ..engine.llm_engine import EngineStats
+from ..engine.output_processor import RequestOutput
 
 PREFIX = "kvmosaic:"
 TTFT_BUCKETS = (0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
@@ -67,6 +70,8 @@ class EngineCollector(Collector):
         yield gauge("kv_cache_free_blocks", "KV blocks not in use (truly free or evictable).", st.num_free_blocks)
         yield gauge("kv_cache_cached_blocks", "KV blocks in the content index (in use or evictable).",
                     st.num_cached_blocks)
+        yield counter("kv_events_dropped", "Cache events dropped before publishing (a subscriber sees a gap).",
+                      st.num_events_dropped)
 
 
 class ServerMetrics:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..engine.llm_engine import RequestOutput
+from ..engine.output_processor import RequestOutput
 
 Decode = Callable[[int], str]
 

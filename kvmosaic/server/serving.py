@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.types import Receive, Scope, Send
 
-from ..engine.llm_engine import RequestOutput
+from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from . import responses as R
 from .async_engine import AsyncEngine, RequestAborted, RequestStream
@@ -90,8 +90,8 @@ class OpenAIServing:
         self.engine = engine
         self.model_name = model_name
         self.tenants = tenants
-        self.max_model_len = engine.engine.max_model_len
-        self.tokenizer = engine.engine.tokenizer
+        self.max_model_len = engine.max_model_len
+        self.tokenizer = engine.tokenizer
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

@@ -1,0 +1,84 @@
+"""Output processing: after a token is sampled, detokenise, check stops, build the output.
+
+Everything here belongs to one request: a failure while processing one sequence's token
+concerns that sequence alone (the engine fails that request and keeps the batch going).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sequence import Sequence
+
+
+@dataclass
+class RequestOutput:
+    """What a request produced so far (``finished`` tells whether it is complete)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    num_cached_tokens: int
+    finished: bool
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprobs: list[dict[int, float]] | None = None
+    num_segment_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def num_computed_tokens(self) -> int:
+        """Prompt tokens this request actually prefilled."""
+        return len(self.prompt_token_ids) - self.num_cached_tokens - self.num_segment_tokens
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, eos_token_id: int | None, max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_id = eos_token_id
+        self.max_model_len = max_model_len
+
+    def check_stop(self, seq: Sequence, tok: int) -> None:
+        """After ``tok`` was appended: set ``finish_reason`` (and the visible text) if the
+        sequence is done: EOS or a stop token, a stop string, ``max_tokens`` or the context."""
+        p = seq.params
+        if (tok == self.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", (None if tok == self.eos_token_id else tok)
+            seq.output_text = self.detokenize(seq.output_token_ids[:-1])
+            return
+        checked = len(seq.output_text)
+        seq.output_text = self.detokenize(seq.output_token_ids)
+        for stop in p.stop:
+            # Only the new tail can hold a new match: the text before it was checked already.
+            idx = seq.output_text.find(stop, max(0, checked - len(stop) + 1))
+            if idx >= 0:
+                cut = idx + len(stop) if p.include_stop_str_in_output else idx
+                seq.output_text = seq.output_text[:cut]
+                seq.finish_reason, seq.stop_reason = "stop", stop
+                return
+        if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
+            seq.finish_reason = "length"
+
+    def detokenize(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
+    @staticmethod
+    def make_output(seq: Sequence) -> RequestOutput:
+        return RequestOutput(
+            request_id=seq.request_id,
+            prompt=seq.prompt,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.output_text,
+            token_ids=list(seq.output_token_ids),
+            num_cached_tokens=max(seq.num_cached_tokens, 0),
+            num_segment_tokens=seq.num_segment_tokens,
+            finished=seq.finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            metrics={"arrival_time": seq.arrival_time, "ttft": seq.ttft,
+                     "e2e": (seq.finish_time - seq.arrival_time) if seq.finish_time else None,
+                     "num_preemptions": seq.num_preemptions},
+        )
