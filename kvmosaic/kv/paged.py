@@ -7,9 +7,20 @@ sequence's context through the slots its block table names. K is stored after Ro
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from ..model.config import ModelConfig
+
+class KVShape(Protocol):
+    """What the pool needs to know of a model (``model.config.ModelConfig`` has it): kv sits
+    beside model in the layers, so it names the shape, not the model's class."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int: ...
 
 
 def dtype_bytes(dtype: torch.dtype) -> int:
@@ -19,7 +30,7 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 class PagedKVCache:
     def __init__(
         self,
-        config: ModelConfig,
+        config: KVShape,
         num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
@@ -40,7 +51,7 @@ class PagedKVCache:
         self.v = [kv[i, 1] for i in range(config.num_layers)]
 
     @staticmethod
-    def num_blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
+    def num_blocks_for_budget(config: KVShape, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
         return max(1, budget_bytes // (config.kv_bytes_per_token(dtype_bytes(dtype)) * block_size))
 
     @property

@@ -15,9 +15,21 @@ its slots, so a cached prefix and freshly written KV are read the same way.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+class PagedKV(Protocol):
+    """What attention needs of the KV pool (``kv.paged.PagedKVCache`` provides it): per-layer
+    flat views ``[num_slots, kv_heads, head_dim]`` and a write by slot. model and kv sit side
+    by side in the layers, so the model names this shape instead of importing kv."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
 
 @dataclass

@@ -8,17 +8,14 @@ in float32), so float32 logits match transformers on the same weights.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .attention import AttentionMetadata, paged_attention
+from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
 
-if TYPE_CHECKING:
-    from ..kv.paged import PagedKVCache
 
 
 class RMSNorm(nn.Module):
@@ -84,7 +81,7 @@ class DecoderLayer(nn.Module):
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
-    def forward(self, x, cos, sin, kv: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x, cos, sin, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
         q, k, v = self.qkv(x, cos, sin)
         kv.write(self.layer_idx, meta.slot_mapping, k, v)
         attn = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], meta, self.scale)
@@ -132,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv: PagedKVCache,
+        kv: PagedKV,
         meta: AttentionMetadata,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:

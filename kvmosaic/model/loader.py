@@ -11,7 +11,6 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -175,7 +174,3 @@ def _load_safetensors(path: Path) -> LoadedWeights:
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:
         cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
     return LoadedWeights(cfg, tensors, str(path), None, fingerprint_files(files), path.name)
-
-
-def model_source_label(model: str | None) -> str:
-    return os.path.basename(model.rstrip("/")) if model else SHIPPED_NAME
