@@ -46,6 +46,7 @@ class EngineStats:
     num_cached_blocks: int
     num_running: int
     num_waiting: int
+    num_queued_prefill_tokens: int  # prompt tokens not computed yet, waiting and running (router load)
     num_preemptions: int
     num_evictions: int
     prompt_tokens: int
@@ -245,6 +246,8 @@ class LLMEngine:
             num_cached_blocks=size.cached,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_queued_prefill_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                          for s in (*self.scheduler.waiting, *self.scheduler.running)),
             num_preemptions=self.num_preemptions,
             num_evictions=self.pool.num_evictions,
             prompt_tokens=self.prompt_tokens,

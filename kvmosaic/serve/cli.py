@@ -55,8 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     from ..server.cli import add_arguments as server_arguments
 
     p = argparse.ArgumentParser(prog="python -m kvmosaic.serve")
-    server_arguments(p)
-    add_arguments(p)
+    server_arguments(p)  # includes this module's options
     args = p.parse_args(argv)
     args.replicas = args.replicas or 2
     return run(args)

@@ -57,6 +57,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ", help="e.g. tcp://*:5558")
     s.add_argument("--kv-events-topic", default="")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    from ..serve.cli import add_arguments as add_replica_arguments  # torch- and Ray-free
+
+    add_replica_arguments(p)
 
 
 def banner(url: str, model: str, events: str | None) -> str:
@@ -77,6 +80,10 @@ def banner(url: str, model: str, events: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas:
+        from ..serve.cli import run as run_replicas
+
+        return run_replicas(args)
     import uvicorn
 
     from ..engine.llm_engine import LLMEngine
