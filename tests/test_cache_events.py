@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from radix_sim import SEED, FakeKV, FakeReq, admit, step
 
 from kvmosaic.cache import events as ce
 from kvmosaic.cache.block_pool import BlockPool
@@ -17,8 +18,6 @@ from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn
 from kvmosaic.cache.manager import HashCacheManager, KVCacheManager
 from kvmosaic.cache.radix import RadixCacheManager
 from kvmosaic.server.events import CachedBlocks, KVEventBatch, to_wire
-
-from radix_sim import SEED, FakeKV, FakeReq, admit, step
 
 BS = 4
 HASH = get_hash_fn("sha256_cbor")
@@ -93,7 +92,7 @@ def test_radix_names_blocks_with_the_hash_chain():
         assert len(ev.token_ids) == BS and ev.medium == "CPU"
     # Rebuild each announced block's chain from its ancestors' tokens.
     tokens_of = {e.block_hashes[0]: e.token_ids for e in stored}
-    for h, parent in seen.items():
+    for h in seen:
         path = [h]
         while seen.get(path[-1]) is not None:
             path.append(seen[path[-1]])

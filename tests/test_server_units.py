@@ -3,6 +3,7 @@ format with its replay, and size parsing."""
 
 from __future__ import annotations
 
+import argparse
 import sys
 import time
 
@@ -12,8 +13,14 @@ import pytest
 from kvmosaic.cache import events as ce
 from kvmosaic.server.cli import memory_size
 from kvmosaic.server.errors import APIError
-from kvmosaic.server.events import (BlockRemoved, BlockStored, CachedBlocks, KVEventBatch, KVEventSubscriber,
-                                    ZmqEventPublisher)
+from kvmosaic.server.events import (
+    BlockRemoved,
+    BlockStored,
+    CachedBlocks,
+    KVEventBatch,
+    KVEventSubscriber,
+    ZmqEventPublisher,
+)
 from kvmosaic.server.launch import ServerProcess, free_port
 from kvmosaic.server.responses import TextDelta
 from kvmosaic.server.tenancy import TenantPolicy
@@ -59,7 +66,7 @@ def test_api_keys_are_required_when_configured():
 
 def test_memory_sizes():
     assert memory_size("1G") == 1 << 30 and memory_size("512MiB") == 512 << 20 and memory_size("4096") == 4096
-    with pytest.raises(Exception):
+    with pytest.raises(argparse.ArgumentTypeError):
         memory_size("lots")
 
 

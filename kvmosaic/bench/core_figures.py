@@ -57,8 +57,8 @@ def no_reuse_throughput(on: LLM, off: LLM, n: int, prompt_len: int, out_len: int
     t_on, t_off = [], []
     for _ in range(rounds):
         prompts = [random_prompt(rng, prompt_len) for _ in range(n)]
-        t_off.append(timed(lambda: off.generate(prompts, params)))
-        t_on.append(timed(lambda: on.generate(prompts, params)))
+        t_off.append(timed(lambda prompts=prompts: off.generate(prompts, params)))
+        t_on.append(timed(lambda prompts=prompts: on.generate(prompts, params)))
     tokens = n * (prompt_len + out_len)
     on_s, off_s = statistics.median(t_on), statistics.median(t_off)
     return {"on_tok_s": tokens / on_s, "off_tok_s": tokens / off_s, "ratio": off_s / on_s}

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .peers import Generation, PeerSettings, clock
+from .peer_api import Generation, PeerSettings, clock
 
 
 class KvmosaicPeer:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .peers import Generation, PeerSettings, clock
+from .peer_api import Generation, PeerSettings, clock
 
 
 class LlamaCppPeer:

@@ -13,7 +13,7 @@ import warnings
 from pathlib import Path
 
 from .hf_prompt_cache import PromptCacheStore
-from .peers import Generation, PeerSettings, clock
+from .peer_api import Generation, PeerSettings, clock
 
 
 class TransformersPeer:

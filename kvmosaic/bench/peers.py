@@ -8,27 +8,15 @@ being available to Python (TTFT) and the last one (end to end).
 from __future__ import annotations
 
 import importlib.util
-import time
-from dataclasses import dataclass
+
+from .peer_api import Generation, PeerSettings, clock
+
+__all__ = ["ALL_PEERS", "DEFAULT_PEERS", "Generation", "PeerSettings", "clock", "import_libraries", "make_peer",
+           "unavailable_reason"]
 
 KVMOSAIC_CACHES = {"kvmosaic-none": "none", "kvmosaic-hash": "hash", "kvmosaic-radix": "radix"}
 ALL_PEERS = (*KVMOSAIC_CACHES, "transformers", "transformers-prompt-cache", "llama-cpp-ramcache")
 DEFAULT_PEERS = ALL_PEERS
-
-
-@dataclass
-class Generation:
-    token_ids: list[int]
-    ttft: float
-    e2e: float
-    cached_tokens: int
-
-
-@dataclass
-class PeerSettings:
-    dtype: str = "bfloat16"
-    threads: int | None = None
-    model_path: str | None = None  # None: the shipped GGUF
 
 
 def unavailable_reason(name: str) -> str | None:
@@ -70,7 +58,3 @@ def make_peer(name: str, settings: PeerSettings):
 
         return LlamaCppPeer(settings)
     raise ValueError(unavailable_reason(name) or name)
-
-
-def clock() -> float:
-    return time.perf_counter()

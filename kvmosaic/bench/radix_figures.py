@@ -107,7 +107,8 @@ def section_lpm(args) -> None:
     print("\n## Hit rate, LPM vs FCFS, multi-tenant under cache pressure")
     print("8 tenants (system prompts 150-400 tokens), 160 requests interleaved at random, "
           "max_num_seqs 4, 8 output tokens, block 16")
-    print("| pool (blocks) | backend | FCFS hit rate | LPM hit rate | steps FCFS / LPM | LPM: most later arrivals admitted ahead of one request |")
+    print("| pool (blocks) | backend | FCFS hit rate | LPM hit rate | steps FCFS / LPM "
+          "| LPM: most later arrivals admitted ahead of one request |")
     print("|---|---|---|---|---|---|")
     for blocks in (48, 96, 160):
         for backend in ("hash", "radix"):
@@ -225,7 +226,7 @@ def section_multiturn(args) -> None:
     llms = {b: _llm(b) for b in BACKENDS}
     tallies = {b: Tally() for b in BACKENDS}
     rng = random.Random(3)
-    for conv in range(2):
+    for _conv in range(2):
         history = rand_tokens(rng, rng.randint(40, 90))
         for turn in range(3):
             outs = {b: _one(llms[b], history, 8) for b in BACKENDS}
@@ -255,7 +256,7 @@ def section_cow(args) -> None:
     per = {}
     for extra in (1, 16):
         ts = []
-        for i in range(3):
+        for _ in range(3):
             (o,) = llm.generate([base + rand_tokens(rng, extra)], params)
             ts.append(o.metrics["ttft"])
         per[extra] = statistics.median(ts) * 1e3

@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from .block import KVBlock
 from .block_pool import BlockPool
 from .eviction import order_key
+from .hashing import BlockHash, CacheNamespace
 
 
 class RadixNode:
