@@ -1,6 +1,6 @@
 """``kvmosaic bench WORKLOAD [--peers ...] [--quick] [--seed N] [--out results/]``.
 
-Runs the workloads of DESIGN.md on kvmosaic and its peers (each in its own worker process,
+Runs the workloads of docs/ARCHITECTURE.md on kvmosaic and its peers (each in its own worker process,
 loaded once, requests interleaved), prints a markdown table and writes it, a JSON dump of every
 request and PNG plots to ``--out``.
 """
@@ -26,7 +26,7 @@ from .workloads import BUILDERS, build
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", choices=[*BUILDERS, "all"], help="a workload of DESIGN.md, or all")
+    p.add_argument("workload", choices=[*BUILDERS, "all"], help="a benchmark workload (docs/ARCHITECTURE.md), or all")
     p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
                    help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")

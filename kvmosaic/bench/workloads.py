@@ -1,4 +1,4 @@
-"""The benchmark workloads of DESIGN.md, each generated deterministically from a seed.
+"""The benchmark workloads (docs/ARCHITECTURE.md), each generated deterministically from a seed.
 
 A workload is a list of :class:`Request`: a chat (rendered with the model's chat template), a
 raw completion prompt, or the next user turn of a conversation (``conversation`` set, only the

@@ -29,6 +29,12 @@ from .block_pool import BlockPool
 from .hashing import BlockHash, BlockHasher, CacheNamespace, HashFn
 
 
+class TierLookup(Protocol):
+    """Storage tiers below the pool, as a manager sees them (kvmosaic/kv/tiered.py)."""
+
+    def lookup(self, keys: Sequence[BlockHash]) -> list[int | None]: ...
+
+
 class CacheRequest(Protocol):
     """What a manager needs to know about a request (the engine's Sequence provides it)."""
 
@@ -62,6 +68,17 @@ class MatchResult:
 
     blocks: list[KVBlock] = field(default_factory=list)
     num_tokens: int = 0
+    # Storage tiers: the blocks right after the pool hit that a tier holds, as
+    # ``(chain hash, tier index)`` in order (fastest tier holding each). Not loaded yet: the
+    # scheduler loads them into fresh blocks; ``num_tokens`` counts the pool hit only.
+    tier_hits: list[tuple[BlockHash, int]] = field(default_factory=list)
+
+    def tier_tokens(self, block_size: int) -> dict[int, int]:
+        """How many tokens each tier (by index) would supply."""
+        out: dict[int, int] = {}
+        for _, t in self.tier_hits:
+            out[t] = out.get(t, 0) + block_size
+        return out
 
 
 @dataclass(frozen=True)
@@ -87,7 +104,8 @@ class PinResult:
 
 @dataclass(frozen=True)
 class CacheSizeInfo:
-    """Invariant 2 of DESIGN.md, in blocks: ``free + evictable + in_use == total``."""
+    """Invariant 2 (docs/ARCHITECTURE.md), in blocks: ``free + evictable + in_use == total``;
+    stated and checked where it is kept: BlockPool (hash backend), RadixCacheManager (radix)."""
 
     total: int
     free: int
@@ -124,6 +142,7 @@ class KVCacheManager(ABC):
         self.hashers: dict[str, BlockHasher] = {}
         self.stats = PrefixCacheStats()
         self.pending_copies: list[BlockCopy] = []
+        self.tiers: TierLookup | None = None  # storage tiers below the pool (set by the engine)
 
     def namespace(self, cache_salt: str | None, adapter_id: str | None) -> CacheNamespace:
         return CacheNamespace(self.seed, cache_salt, adapter_id)
@@ -168,6 +187,17 @@ class KVCacheManager(ABC):
     def size_info(self) -> CacheSizeInfo: ...
 
     # ---- shared mechanics ----------------------------------------------------------------
+    def tier_hits(self, hashes: Sequence[BlockHash], start: int, stop: int) -> list[tuple[BlockHash, int]]:
+        """The longest contiguous run of ``hashes[start:stop]`` the tiers hold (fastest first)."""
+        if self.tiers is None or start >= stop:
+            return []
+        out = []
+        for h, t in zip(hashes[start:stop], self.tiers.lookup(hashes[start:stop])):
+            if t is None:
+                break
+            out.append((h, t))
+        return out
+
     def record_query(self, req: CacheRequest, match: MatchResult) -> None:
         self.stats.requests += 1
         self.stats.queries += len(req.all_token_ids)
@@ -247,7 +277,7 @@ class HashCacheManager(KVCacheManager):
             if block is None:
                 break  # the chain is broken: nothing after a miss can hit
             hit.append(block)
-        return MatchResult(hit, len(hit) * bs)
+        return MatchResult(hit, len(hit) * bs, self.tier_hits(hashes, len(hit), max_blocks))
 
     def commit(self, req: CacheRequest, num_computed_tokens: int) -> None:
         if not self.enable_caching:
