@@ -12,15 +12,22 @@ reusable KV (up to collisions, which the optional token check guards against).
 Extra keys (the cache salt on the first block, an adapter id on every block) taint the
 chain, so two tenants or two adapters never share a block.
 
-Hash functions are pluggable: ``sha256_cbor`` (default) hashes a canonical CBOR encoding
-and is stable across processes, Python versions and machines, so hashes can name blocks in
-a shared tier; ``xxh3_128`` is several times faster and equally stable across processes.
+Hash functions are pluggable, and every one is stable across processes, Python versions and
+machines, so hashes can name blocks in a shared tier or be recomputed by a router:
+
+* ``sha256`` (default): SHA-256 over a fixed-width encoding — the parent hash, each token id
+  as 8 little-endian bytes, then the extra keys as canonical CBOR when there are any. A full
+  block has ``block_size`` tokens (in the seed), so the encoding is unambiguous; no per-block
+  CBOR of the tokens makes it ~4x faster than ``sha256_cbor`` (``python -m kvmosaic.bench.hashing``);
+* ``sha256_cbor``: SHA-256 over canonical CBOR of ``(parent, tokens, extra)``, vLLM's encoding;
+* ``xxh3_128``: the fixed-width encoding under xxh3 (not cryptographic: use it where no tenant
+  can choose colliding prompts, or with ``verify_tokens``).
 """
 
 from __future__ import annotations
 
 import hashlib
-from array import array
+import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +39,18 @@ BlockHash = bytes
 HashFn = Callable[[Any], bytes]
 
 
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    return struct.pack(f"<{len(tokens)}q", *tokens)
+
+
+def _sha256(obj: Any) -> bytes:
+    parent, tokens, extra = obj
+    data = parent + _token_bytes(tokens)
+    if extra:
+        data += cbor2.dumps(extra, canonical=True)
+    return hashlib.sha256(data).digest()
+
+
 def _sha256_cbor(obj: Any) -> bytes:
     return hashlib.sha256(cbor2.dumps(obj, canonical=True)).digest()
 
@@ -40,15 +59,16 @@ def _xxh3_128(obj: Any) -> bytes:
     parent, tokens, extra = obj
     h = xxhash.xxh3_128()
     h.update(parent)
-    h.update(array("q", tokens).tobytes())
+    h.update(_token_bytes(tokens))
     if extra:
         h.update(cbor2.dumps(extra, canonical=True))
     return h.digest()
 
 
-HASH_FUNCTIONS: dict[str, HashFn] = {"sha256_cbor": _sha256_cbor, "xxh3_128": _xxh3_128}
+HASH_FUNCTIONS: dict[str, HashFn] = {"sha256": _sha256, "sha256_cbor": _sha256_cbor, "xxh3_128": _xxh3_128}
+DEFAULT_HASH_ALGO = "sha256"
 # Friendly aliases, as users of vLLM's ``--prefix-caching-hash-algo`` write them.
-HASH_ALIASES = {"sha256": "sha256_cbor", "sha256_cbor_64bit": "sha256_cbor", "xxhash": "xxh3_128"}
+HASH_ALIASES = {"sha256_cbor_64bit": "sha256_cbor", "xxhash": "xxh3_128"}
 
 
 def get_hash_fn(name: str) -> HashFn:
@@ -69,6 +89,17 @@ def hash_block(
     return hash_fn((parent, tuple(tokens), tuple(extra_keys)))
 
 
+PUBLIC_MARK = "\x00public="
+
+
+def public_prefix_salt(public_blocks: int, salt: str | None) -> str | None:
+    """A salt that keeps the first ``public_blocks`` blocks public (unsalted, shared across
+    tenants) and salts the rest with ``salt``: ``CacheNamespace`` reads it back."""
+    if not public_blocks or salt is None:
+        return salt
+    return f"{PUBLIC_MARK}{public_blocks};{salt}"
+
+
 @dataclass(frozen=True)
 class CacheNamespace:
     """What separates cached KV that must never be shared: the engine's ``seed`` (model,
@@ -83,12 +114,28 @@ class CacheNamespace:
     seed: BlockHash
     cache_salt: str | None = None
     adapter_id: str | None = None
+    # Leading blocks that are public (shared-public tenancy): they are hashed without the
+    # salt, so every tenant shares them, and the salt enters at block ``public_blocks``.
+    # Set from a salt made by :func:`public_prefix_salt` (so it travels wherever a salt does).
+    public_blocks: int = 0
+
+    def __post_init__(self) -> None:
+        if self.public_blocks == 0 and self.cache_salt is not None and self.cache_salt.startswith(PUBLIC_MARK):
+            head, _, _ = self.cache_salt[len(PUBLIC_MARK):].partition(";")
+            if head.isdigit():
+                object.__setattr__(self, "public_blocks", int(head))
+
+    def public(self) -> CacheNamespace:
+        """The namespace of this one's public blocks: no salt (shared by every tenant)."""
+        return CacheNamespace(self.seed, None, self.adapter_id)
 
     def extra_keys(self, block_index: int) -> tuple:
-        """The salt goes into the first block only (it taints the rest of the chain through
-        the parent hash); the adapter id goes into every block, as vLLM does for LoRA."""
+        """The salt goes into one block only (it taints the rest of the chain through the
+        parent hash): the first, or the first after the public prefix; the adapter id goes
+        into every block, as vLLM does for LoRA. Without a public prefix, bit-identical to a
+        plain salted chain."""
         keys: list = []
-        if block_index == 0 and self.cache_salt is not None:
+        if block_index == self.public_blocks and self.cache_salt is not None:
             keys.append(("salt", self.cache_salt))
         if self.adapter_id is not None:
             keys.append(("adapter", self.adapter_id))

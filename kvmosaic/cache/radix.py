@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .block_pool import BlockPool
-from .hashing import BlockHash, HashFn, get_hash_fn
+from .hashing import DEFAULT_HASH_ALGO, BlockHash, HashFn, get_hash_fn
 from .manager import CacheRequest, CacheSizeInfo, KVCacheManager, MatchResult, PinResult
 from .radix_tree import RadixNode, RadixTree
 
@@ -60,7 +60,7 @@ class RadixCacheManager(KVCacheManager):
         min_cow_tokens: int = DEFAULT_MIN_COW_TOKENS,
         hash_fn: HashFn | None = None,
     ) -> None:
-        super().__init__(pool, seed, hash_fn or get_hash_fn("sha256_cbor"))
+        super().__init__(pool, seed, hash_fn or get_hash_fn(DEFAULT_HASH_ALGO))
         self.tree = RadixTree(pool, eviction_policy)
         self.min_cow_tokens = max(1, min_cow_tokens)
         self.anchors: dict[str, _Anchor] = {}
@@ -73,13 +73,30 @@ class RadixCacheManager(KVCacheManager):
     # ---- the cache policy ----------------------------------------------------------------
     def match_prefix(self, req: CacheRequest) -> RadixMatch:
         tokens = req.all_token_ids
-        tm = self.tree.match(self.namespace(req.cache_salt, req.adapter_id), tokens[: len(tokens) - 1])
+        ns = self.namespace(req.cache_salt, req.adapter_id)
+        tm = self.tree.match(ns, tokens[: len(tokens) - 1])
+        if ns.public_blocks:
+            # Shared-public tenancy: the public head is also found in the unsalted tree, but
+            # a match there stops at the public boundary (never into another tenant's tail).
+            head = min(ns.public_blocks * self.block_size, len(tokens) - 1)
+            pm = self.tree.match(ns.public(), tokens[:head])
+            if pm.num_tokens > tm.num_tokens:
+                tm = pm
         n, blocks = tm.num_tokens, tm.blocks
         partial = n % self.block_size
         if 0 < partial < self.min_cow_tokens:
             n -= partial
             blocks = blocks[:-1]
-        return RadixMatch(blocks, n, tm.node if n else None)
+        tier_hits: list = []
+        if self.tiers is not None:
+            # Past the tree, the storage tiers, keyed by the chain hashes of the following full
+            # blocks; a tier block replaces a partial tail match (it holds the whole block).
+            hashes = self.hasher(req).update(tokens)
+            tier_hits = self.tier_hits(hashes, n // self.block_size, (len(tokens) - 1) // self.block_size)
+            if tier_hits and n % self.block_size:
+                n -= n % self.block_size
+                blocks = blocks[:-1]
+        return RadixMatch(blocks, n, tier_hits, node=tm.node if n else None)
 
     def allocate_slots(
         self, req: CacheRequest, num_total_tokens: int, match: MatchResult | None = None
@@ -117,13 +134,19 @@ class RadixCacheManager(KVCacheManager):
         ns = self.namespace(req.cache_salt, req.adapter_id)
         tokens = req.all_token_ids[:num_computed_tokens]
         anchor = state.node
-        start = anchor.parent if anchor is not None else None
+        start = anchor.parent if anchor is not None and anchor.namespace == ns else None
         # The anchor may reach past the committed tokens, and a split since the last commit
         # may have moved them above its parent: walk up until the path is theirs alone.
         while start is not None and start.end > state.committed:
             start = start.parent
         hashes = self.hasher(req).update(tokens)
         node = self.tree.insert(ns, tokens, self.req_blocks[rid], start, anchor, getattr(req, "priority", 0), hashes)
+        head = ns.public_blocks * self.block_size
+        if head and state.committed < head <= num_computed_tokens:
+            # The public head also goes to the unsalted tree (its blocks are shared by both
+            # trees' nodes, reference-counted), where other tenants' matches find it.
+            self.tree.insert(ns.public(), tokens[:head], self.req_blocks[rid], None, None,
+                             getattr(req, "priority", 0), hashes[: ns.public_blocks])
         if node is not anchor:
             self.tree.lock(node)
             if anchor is not None:

@@ -16,8 +16,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import errors
 from .async_engine import AsyncEngine
+from .drain import Drain, DrainMiddleware
 from .errors import APIError
-from .limits import BodySizeLimit
+from .limits import BodyReadTimeout, BodySizeLimit, HeaderLimits
 from .metrics import ServerMetrics
 from .serving import OpenAIServing
 from .tenancy import TenantPolicy
@@ -29,8 +30,13 @@ def build_app(
     metrics: ServerMetrics,
     tenants: TenantPolicy | None = None,
     max_body_bytes: int = 1 << 20,
+    drain: Drain | None = None,
+    body_timeout: float = 30.0,
 ) -> FastAPI:
     tenants = tenants or TenantPolicy()
+    drain = drain or Drain()
+    drain.on_reject = lambda reason: metrics.count("rejected", reason)
+    engine.on_count = metrics.count
     serving = OpenAIServing(engine, model_name, tenants)
     created = int(time.time())
 
@@ -43,11 +49,21 @@ def build_app(
     app = FastAPI(title="kvmosaic", lifespan=lifespan)
     errors.install(app)
     app.add_middleware(BodySizeLimit, max_bytes=max_body_bytes)
+    # issue 14: outermost first: header caps, drain (503 + Retry-After), body read timeout
+    app.add_middleware(BodyReadTimeout, timeout=body_timeout)
+    app.add_middleware(DrainMiddleware, drain=drain)
+    app.add_middleware(HeaderLimits)
+    app.state.drain = drain
 
     @app.get("/health")
-    async def health() -> dict:
+    async def health(request: Request) -> dict:
+        # With keys configured, only the admin sees load and cache state (they move with
+        # other tenants' traffic); anyone else gets a bare liveness answer.
+        auth = request.headers.get("authorization")
+        if tenants.keys_configured and not tenants.is_admin(auth):
+            return {"status": "ok"}
         st = await engine.refresh_stats()
-        return {"status": "ok", "model": model_name,
+        return {"status": "ok", "model": model_name, "draining": drain.draining,
                 "requests": {"running": st.num_running, "waiting": st.num_waiting},
                 "kv": {"num_blocks": st.num_blocks, "num_used_blocks": st.num_blocks - st.num_free_blocks,
                        "num_free_blocks": st.num_free_blocks, "num_cached_blocks": st.num_cached_blocks,
@@ -70,13 +86,19 @@ def build_app(
 
     @app.post("/reset_prefix_cache")
     async def reset_prefix_cache(request: Request) -> JSONResponse:
-        tenants.authenticate(request.headers.get("authorization"))
+        auth = request.headers.get("authorization")
+        if tenants.keys_configured and tenants.role(auth) == "tenant":
+            raise APIError(403, "resetting the prefix cache clears every tenant's namespace and needs the admin "
+                                "key; a namespace-scoped reset is not supported (the hash index does not record "
+                                "namespaces)", code="forbidden")
+        tenants.require_admin(auth, "/reset_prefix_cache")
         if not await engine.call(lambda e: e.reset_prefix_cache()):
             raise APIError(409, "blocks are in use by running requests; retry when the server is idle")
         return JSONResponse({"reset": True})
 
     @app.get("/metrics")
-    async def prometheus() -> Response:
+    async def prometheus(request: Request) -> Response:
+        tenants.require_admin(request.headers.get("authorization"), "/metrics")
         await engine.refresh_stats()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 

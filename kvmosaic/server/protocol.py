@@ -42,6 +42,8 @@ class SamplingFields(StrictModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
+    # shared-public tenancy: the first N chat messages (or prompt characters / token ids) are public
+    public_prefix: Annotated[int, Field(ge=0)] | None = None
     user: str | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
