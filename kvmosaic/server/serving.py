@@ -124,6 +124,7 @@ class OpenAIServing:
             return sampling_params(req, max_tokens, num_prompt, self.max_model_len, logprobs, prompt_param)
 
         try:
+            prompt, salt = await self.tenants.resolve(self.engine.engine, req, prompt, salt)  # shared-public head
             stream = await self.engine.add(prompt, make_params, salt)
         except ValueError as e:
             raise APIError(400, str(e), prompt_param) from None
