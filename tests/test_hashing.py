@@ -11,7 +11,7 @@ from kvmosaic.cache.block_pool import BlockPool
 from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed
 from kvmosaic.cache.manager import HashCacheManager
 
-ALGOS = ["sha256_cbor", "xxh3_128"]
+ALGOS = ["sha256", "sha256_cbor", "xxh3_128"]
 
 
 def chain(tokens, algo="sha256_cbor", salt=None, adapter=None, seed=None, bs=4):
@@ -126,3 +126,18 @@ def test_kv_is_indexed_only_once_computed():
     assert not mgr.reset_prefix_cache()  # refused while a request holds blocks
     mgr.free(req)
     assert mgr.reset_prefix_cache() and not mgr.pool.cached
+
+
+def test_sha256_is_the_documented_fixed_width_encoding():
+    """``sha256``: parent, then each token as 8 little-endian bytes, then CBOR extra keys —
+    what another process or language must reproduce to name our blocks."""
+    import hashlib
+    import struct
+
+    import cbor2
+
+    seed = make_seed("model-a", "bfloat16", 4, "sha256")
+    tokens = [1, 2, 49151, 7]
+    first = hashlib.sha256(seed + struct.pack("<4q", *tokens) + cbor2.dumps((("salt", "t"),), canonical=True)).digest()
+    second = hashlib.sha256(first + struct.pack("<4q", 5, 6, 7, 8)).digest()
+    assert chain(tokens + [5, 6, 7, 8], "sha256", salt="t") == [first, second]

@@ -134,6 +134,8 @@ class CacheNamespace:
         parent hash): the first, or the first after the public prefix; the adapter id goes
         into every block, as vLLM does for LoRA. Without a public prefix, bit-identical to a
         plain salted chain."""
+        if self.adapter_id is None and (self.cache_salt is None or block_index != self.public_blocks):
+            return ()  # the common case, on the hashing hot path
         keys: list = []
         if block_index == self.public_blocks and self.cache_salt is not None:
             keys.append(("salt", self.cache_salt))
@@ -154,10 +156,11 @@ class BlockHasher:
     def update(self, token_ids: Sequence[int], num_tokens: int | None = None) -> list[BlockHash]:
         """Hash every full block of the first ``num_tokens`` (default: all) of ``token_ids``
         not hashed yet; returns the whole chain. Amortised O(new tokens) per call."""
-        bs = self.block_size
+        bs, hashes, hash_fn, ns = self.block_size, self.hashes, self.hash_fn, self.namespace
         n = len(token_ids) if num_tokens is None else min(num_tokens, len(token_ids))
-        for i in range(len(self.hashes), n // bs):
-            parent = self.hashes[-1] if self.hashes else self.namespace.seed
-            extra = self.namespace.extra_keys(i)
-            self.hashes.append(hash_block(self.hash_fn, parent, token_ids[i * bs : (i + 1) * bs], extra))
-        return self.hashes
+        parent = hashes[-1] if hashes else ns.seed
+        for i in range(len(hashes), n // bs):
+            # The same value as hash_block(); tokens go in as a slice (CBOR encodes it alike).
+            parent = hash_fn((parent, token_ids[i * bs : (i + 1) * bs], ns.extra_keys(i)))
+            hashes.append(parent)
+        return hashes

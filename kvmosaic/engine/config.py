@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.config import DTYPES
+
 PREFIX_CACHES = ("hash", "radix", "none")
 
 
@@ -23,7 +24,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
     prefix_cache: str | None = None  # "hash" | "radix" | "none"; None follows enable_prefix_caching
-    hash_algo: str = "sha256_cbor"
+    hash_algo: str = "sha256"  # see cache/hashing.py: "sha256" | "sha256_cbor" | "xxh3_128"
     verify_tokens: bool = False  # compare tokens on every hash hit (guards against collisions)
     scheduling_policy: str = "fcfs"  # or "lpm"
     eviction_policy: str = "lru"
@@ -38,6 +39,10 @@ class EngineConfig:
     # When set, a text prompt is cut at each occurrence (which is dropped): the first piece is
     # the head, the last the suffix, those between are segments (e.g. "<|segment|>").
     segment_separator: str | None = None
+    # Storage tiers below the pool, fastest first (kvmosaic/tiers/spec.py), e.g.
+    # ["host:4GiB", "disk:/var/cache/kvmosaic:20GiB", "redis://127.0.0.1:6379"]; None: pool only.
+    kv_tiers: list[str] | None = None
+    kv_tier_load_timeout: float = 2.0  # seconds; a load past it is a miss (the tokens are computed)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -56,6 +61,12 @@ class EngineConfig:
         from ..blend.blender import BlendOptions  # validates the segment reuse fields
 
         BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer)
+        if self.kv_tiers:
+            from ..tiers.spec import parse_tier_spec
+
+            self.kv_tiers = list(self.kv_tiers)
+            for spec in self.kv_tiers:
+                parse_tier_spec(spec)  # raises ValueError on a bad spec
         if self.segment_separator is not None and not self.segment_separator.strip():
             raise ValueError("segment_separator must be a non-blank string")
 
