@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     for algo in ("sha256", "sha256_cbor", "xxh3_128"):
         ns = CacheNamespace(make_seed("bench", "bfloat16", bs, algo))
         hash_fn = get_hash_fn(algo)
-        rows.append((f"kvmosaic {algo}", best_ms(lambda: BlockHasher(ns, bs, hash_fn).update(tokens), args.repeats)))
+        rows.append((f"kvmosaic {algo}", best_ms(lambda ns=ns, fn=hash_fn: BlockHasher(ns, bs, fn).update(tokens), args.repeats)))
     found = vllm_sources(args.vllm_wheel)
     version = None
     if found is not None:
