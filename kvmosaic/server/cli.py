@@ -56,6 +56,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="publish cache events on this ZeroMQ PUB endpoint, e.g. tcp://*:5557")
     s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ", help="e.g. tcp://*:5558")
     s.add_argument("--kv-events-topic", default="")
+    s.add_argument("--kv-events-no-token-ids", action="store_true",
+                   help="publish block hashes without their token ids (what a hash-based router needs)")
+    s.add_argument("--kv-events-allow-remote", action="store_true",
+                   help="allow event/replay endpoints beyond loopback (subscribers learn every tenant's blocks)")
+    s.add_argument("--kv-events-curve-secret-key", default=None, metavar="Z85",
+                   help="authenticate event subscribers with ZeroMQ CURVE: this server's secret key")
+    s.add_argument("--kv-events-curve-client-key", action="append", default=None, metavar="Z85",
+                   help="a subscriber public key let in (repeatable; none: any client knowing the server key)")
+    t = p.add_argument_group("tenancy")
+    t.add_argument("--tenancy", default=None, choices=["isolated", "shared", "shared-public"],
+                   help="cache sharing across tenants (default: isolated when API keys are set, else shared)")
+    t.add_argument("--admin-key", action="append", default=[],
+                   help="bearer token for /reset_prefix_cache, /metrics and detailed /health (repeatable)")
+    t.add_argument("--public-prefix-file", default=None, metavar="PATH",
+                   help="shared-public: texts (separated by '---' lines) or 'sha256:<hex>' chain hashes "
+                        "whose blocks every tenant may share")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     from ..serve.cli import add_arguments as add_replica_arguments  # torch- and Ray-free
 
@@ -108,12 +124,22 @@ def run(args: argparse.Namespace) -> int:
     model_name = args.served_model_name or engine.model_name
     publisher = None
     if args.kv_events_endpoint:
-        publisher = ZmqEventPublisher(args.kv_events_endpoint, args.kv_events_topic, args.kv_events_replay_endpoint)
+        publisher = ZmqEventPublisher(
+            args.kv_events_endpoint, args.kv_events_topic, args.kv_events_replay_endpoint,
+            include_token_ids=not args.kv_events_no_token_ids, allow_remote=args.kv_events_allow_remote,
+            curve_secret_key=args.kv_events_curve_secret_key.encode() if args.kv_events_curve_secret_key else None,
+            curve_client_keys=[k.encode() for k in args.kv_events_curve_client_key]
+            if args.kv_events_curve_client_key else None)
     async_engine = AsyncEngine(engine, on_flush=publisher.publish if publisher else None)
     metrics = ServerMetrics(lambda: async_engine.stats, model_name)
     async_engine.on_finish = metrics.on_finish
-    tenants = TenantPolicy(frozenset(args.api_key),
-                           args.api_key_salt.encode() if args.api_key_salt else None)
+    from .tenancy import build_public_prefixes, read_public_prefix_file
+
+    tenants = TenantPolicy(frozenset(args.api_key), args.api_key_salt.encode() if args.api_key_salt else None,
+                           args.tenancy, frozenset(args.admin_key))
+    if tenants.mode == "shared-public":
+        texts, hashes = read_public_prefix_file(args.public_prefix_file) if args.public_prefix_file else ([], [])
+        tenants.public = build_public_prefixes(engine, texts, hashes)
     app = build_app(async_engine, model_name, metrics, tenants, args.max_body_bytes)
 
     class Server(uvicorn.Server):

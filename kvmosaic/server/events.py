@@ -59,9 +59,31 @@ class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False
     data_parallel_rank: int | None = None
 
 
-def to_wire(event: cache_events.KVCacheEvent) -> KVCacheEvent:
+def is_loopback(endpoint: str) -> bool:
+    """Whether a ZeroMQ endpoint stays on this machine (ipc, inproc, tcp on a loopback address)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    host = rest.rsplit(":", 1)[0].strip("[]").lower()
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def check_bind(endpoint: str, allow_remote: bool, authenticated: bool) -> None:
+    """Refuse to publish cache events beyond loopback unless the operator allows it (they name
+    every tenant's blocks); warn when they go out unauthenticated."""
+    if is_loopback(endpoint):
+        return
+    if not allow_remote:
+        raise ValueError(f"refusing to bind cache events to {endpoint} (not loopback): subscribers learn every "
+                         "tenant's cached blocks; pass --kv-events-allow-remote (and CURVE keys) to do it")
+    if not authenticated:
+        log.warning("cache events on %s are readable by anyone who can connect (no CURVE keys)", endpoint)
+
+
+def to_wire(event: cache_events.KVCacheEvent, include_token_ids: bool = True) -> KVCacheEvent:
     if isinstance(event, cache_events.BlockStored):
-        return BlockStored(list(event.block_hashes), event.parent_block_hash, list(event.token_ids),
+        token_ids = list(event.token_ids) if include_token_ids else []
+        return BlockStored(list(event.block_hashes), event.parent_block_hash, token_ids,
                            event.block_size, event.lora_id, event.medium)
     if isinstance(event, cache_events.BlockRemoved):
         return BlockRemoved(list(event.block_hashes), event.medium)
@@ -78,15 +100,42 @@ class ZmqEventPublisher:
     skipped and never replayed, so every subscriber sees the loss."""
 
     def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None,
-                 buffer_batches: int = 10_000, hwm: int = 100_000) -> None:
+                 buffer_batches: int = 10_000, hwm: int = 100_000, include_token_ids: bool = True,
+                 allow_remote: bool = False, curve_secret_key: bytes | None = None,
+                 curve_client_keys: list[bytes] | None = None) -> None:
+        """``include_token_ids=False`` publishes hashes only. Endpoints must be loopback unless
+        ``allow_remote``. ``curve_secret_key`` (Z85, from ``zmq.curve_keypair()``) makes both
+        sockets CURVE servers; ``curve_client_keys`` (Z85 public keys) then lists the only
+        subscribers let in (None: any client that knows the server's public key)."""
+        for ep in (endpoint, replay_endpoint):
+            if ep:
+                check_bind(ep, allow_remote, curve_secret_key is not None)
         self.endpoint, self.replay_endpoint, self.topic = endpoint, replay_endpoint, topic.encode()
-        self._ctx = zmq.Context.instance()
+        self.include_token_ids = include_token_ids
+        self._auth = None
+        if curve_secret_key is not None:
+            from zmq.auth.thread import ThreadAuthenticator
+
+            self._ctx = zmq.Context()  # its own context: the authenticator applies to all of its sockets
+            self._auth = ThreadAuthenticator(self._ctx)
+            self._auth.start()
+            allowed = None if curve_client_keys is None else {bytes(k) for k in curve_client_keys}
+
+            class _Keys:
+                def callback(self, domain: str, key: bytes) -> bool:  # key: the client's Z85 public key
+                    return allowed is None or bytes(key) in allowed
+
+            self._auth.configure_curve_callback("kvmosaic", _Keys())
+        else:
+            self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.SNDHWM, hwm)
+        self._curve(self._pub, curve_secret_key)
         self._pub.bind(endpoint)
         self._replay = None
         if replay_endpoint:
             self._replay = self._ctx.socket(zmq.ROUTER)
+            self._curve(self._replay, curve_secret_key)
             self._replay.bind(replay_endpoint)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_batches)
         self._pending: queue.SimpleQueue[list | int | None] = queue.SimpleQueue()
@@ -95,6 +144,14 @@ class ZmqEventPublisher:
         self._seq = 0
         self._thread = threading.Thread(target=self._run, name="kvmosaic-events", daemon=True)
         self._thread.start()
+
+    @staticmethod
+    def _curve(sock: zmq.Socket, secret: bytes | None) -> None:
+        if secret is not None:
+            sock.curve_secretkey = secret
+            sock.curve_publickey = zmq.curve_public(secret)
+            sock.curve_server = True
+            sock.zap_domain = b"kvmosaic"
 
     def publish(self, events: list[cache_events.KVCacheEvent], dropped: int = 0) -> None:
         """Queue a batch; ``dropped`` > 0 (events lost before this batch) skips a number."""
@@ -106,9 +163,11 @@ class ZmqEventPublisher:
     def close(self) -> None:
         self._pending.put(None)
         self._thread.join(timeout=5)
+        if self._auth is not None:
+            self._auth.stop()
 
     def _send(self, events: list) -> None:
-        payload = self._encoder.encode(KVEventBatch(time.time(), [to_wire(e) for e in events]))
+        payload = self._encoder.encode(KVEventBatch(time.time(), [to_wire(e, self.include_token_ids) for e in events]))
         seq = self._seq.to_bytes(8, "big", signed=True)
         try:
             self._pub.send_multipart((self.topic, seq, payload), flags=zmq.NOBLOCK)
@@ -157,9 +216,14 @@ class KVEventSubscriber:
     replica as stale. :class:`CachedBlocks` turns the batches into a set of block hashes.
     """
 
-    def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None) -> None:
+    def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None,
+                 curve_server_key: bytes | None = None, curve_keypair: tuple[bytes, bytes] | None = None) -> None:
+        """``curve_server_key`` (the publisher's Z85 public key) and ``curve_keypair``
+        (this client's public, secret) connect to a CURVE-authenticated publisher."""
         self._ctx = zmq.Context.instance()
+        self._curve_keys = (curve_server_key, curve_keypair or zmq.curve_keypair()) if curve_server_key else None
         self._sub = self._ctx.socket(zmq.SUB)
+        self._client_curve(self._sub)
         self._sub.setsockopt(zmq.SUBSCRIBE, topic.encode())
         self._sub.connect(endpoint)
         self.replay_endpoint = replay_endpoint
@@ -191,6 +255,7 @@ class KVEventSubscriber:
     def replay(self, start: int, stop: int | None = None, timeout: float = 5.0) -> list[tuple[int, KVEventBatch]]:
         """Batches ``start <= seq < stop`` that the publisher still holds."""
         sock = self._ctx.socket(zmq.DEALER)
+        self._client_curve(sock)
         sock.connect(self.replay_endpoint)
         out = []
         try:
@@ -205,6 +270,11 @@ class KVEventSubscriber:
         finally:
             sock.close(linger=0)
         return out
+
+    def _client_curve(self, sock: zmq.Socket) -> None:
+        if self._curve_keys is not None:
+            server, (public, secret) = self._curve_keys
+            sock.curve_serverkey, sock.curve_publickey, sock.curve_secretkey = server, public, secret
 
     def close(self) -> None:
         self._sub.close(linger=0)
