@@ -30,13 +30,22 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable, Sequence
+from typing import Protocol
 
 from .block import FreeBlockQueue, KVBlock, NoFreeBlocksError
-from .eviction import Evictor, make_evictor
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
+from .eviction import Evictor, make_evictor
 from .hashing import BlockHash
 
-__all__ = ["BlockPool", "FreeBlockQueue", "KVBlock", "NoFreeBlocksError"]
+__all__ = ["BlockObserver", "BlockPool", "FreeBlockQueue", "KVBlock", "NoFreeBlocksError"]
+
+
+class BlockObserver(Protocol):
+    """Told of every block entering and leaving the content index (both backends)."""
+
+    def on_cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None: ...
+
+    def on_uncache(self, block: KVBlock, block_hash: BlockHash, evicted: bool) -> None: ...
 
 
 class BlockPool:
@@ -68,6 +77,10 @@ class BlockPool:
         self.max_pinned_blocks = num_blocks // 2 if max_pinned_blocks is None else max_pinned_blocks
         self.pinned: dict[int, int] = {}  # block_id -> pin count
         self._clock = itertools.count(1)
+        # Storage tiers (kvmosaic/kv/tiered.py): told when a block enters the index (its KV is
+        # written) and when it leaves it (its KV still in the block), so it can copy the KV out
+        # (write-through / write-back). None: no tiers, nothing to pay on the hot path.
+        self.observer: BlockObserver | None = None
 
     def set_eviction_policy(self, policy: str) -> None:
         """Switch the evictor; the evictable blocks move over (in the new policy's order)."""
@@ -188,11 +201,15 @@ class BlockPool:
         self.events.emit(
             BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, adapter_id, self.medium)
         )
+        if self.observer is not None:
+            self.observer.on_cache(block, block_hash, token_ids)
         return True
 
     def uncache_block(self, block: KVBlock, evicted: bool = True) -> None:
         """Take a block out of the content index (its KV stays until it is overwritten).
         ``evicted``: it goes because memory is needed, which the eviction counter counts."""
+        if self.observer is not None:  # before the hash goes: the KV is still in the block
+            self.observer.on_uncache(block, block.block_hash, evicted)
         del self.cached[block.block_hash]
         self.events.emit(BlockRemoved([block.block_hash], self.medium))
         block.block_hash = None

@@ -43,6 +43,10 @@ class EngineConfig:
     # ["host:4GiB", "disk:/var/cache/kvmosaic:20GiB", "redis://127.0.0.1:6379"]; None: pool only.
     kv_tiers: list[str] | None = None
     kv_tier_load_timeout: float = 2.0  # seconds; a load past it is a miss (the tokens are computed)
+    # Storage tiers below the pool, fastest first (kvmosaic/tiers/spec.py), e.g.
+    # ["host:4GiB", "disk:/var/cache/kvmosaic:20GiB", "redis://127.0.0.1:6379"]; None: pool only.
+    kv_tiers: list[str] | None = None
+    kv_tier_load_timeout: float = 2.0  # seconds; a load past it is a miss (the tokens are computed)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -61,6 +65,12 @@ class EngineConfig:
         from ..blend.blender import BlendOptions  # validates the segment reuse fields
 
         BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer)
+        if self.kv_tiers:
+            from ..tiers.spec import parse_tier_spec
+
+            self.kv_tiers = list(self.kv_tiers)
+            for spec in self.kv_tiers:
+                parse_tier_spec(spec)  # raises ValueError on a bad spec
         if self.kv_tiers:
             from ..tiers.spec import parse_tier_spec
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,6 +54,8 @@ class EngineStats:
     generation_tokens: int
     kv_bytes_per_token: int
     num_events_dropped: int = 0
+    # Storage tiers: per tier (by name) counters, medium, policy, state, bytes; {} when off.
+    kv_tiers: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,9 @@ class LLMEngine:
         self.model_info = ModelInfo(self.model_name, self.model_fingerprint, config.dtype, config.block_size,
                                     config.hash_algo, self.max_model_len, num_blocks, self.kv.bytes_per_token,
                                     seed, config.prefix_cache)
+        self.tiers = None  # storage tiers below the pool (kvmosaic/kv/tiered.py)
+        if config.kv_tiers and config.prefix_cache != "none":
+            self._attach_tiers(config)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.prompt_tokens = 0
@@ -234,6 +240,23 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         return self.cache.reset_prefix_cache()
 
+    def _attach_tiers(self, config: EngineConfig) -> None:
+        from ..kv.block_io import BlockIO
+        from ..kv.tiered import TierConnector
+
+        self.tiers = TierConnector.from_specs(config.kv_tiers, BlockIO(self.kv, self.model_fingerprint),
+                                              config.kv_tier_load_timeout)
+        self.pool.observer = self.tiers
+        self.cache.tiers = self.tiers
+        self.scheduler.tiers = self.tiers
+        self._tiers_finalizer = weakref.finalize(self, self.tiers.close)
+
+    def close(self) -> None:
+        """Flush queued tier writes and release the tiers (files, sockets, threads)."""
+        if self.tiers is not None:
+            self.tiers.flush()
+            self._tiers_finalizer()
+
     def get_stats(self) -> EngineStats:
         st, size = self.cache.stats, self.cache.size_info()
         return EngineStats(
@@ -254,4 +277,5 @@ class LLMEngine:
             generation_tokens=self.generation_tokens,
             kv_bytes_per_token=self.kv.bytes_per_token,
             num_events_dropped=self.events.num_dropped,
+            kv_tiers=self.tiers.stats() if self.tiers is not None else {},
         )

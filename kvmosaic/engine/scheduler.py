@@ -16,6 +16,7 @@ does :meth:`Scheduler.update` advance progress and let the cache index the new b
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -58,12 +59,16 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.skips: dict[str, int] = {}
         self._lpm_previous: dict[str, float] = {}  # waiting request -> arrival, at the last ordering
+        # Storage tiers (kvmosaic/kv/tiered.py; None: off) and the requests waiting for their
+        # background loads: request id -> (sequence, chain hashes, futures).
+        self.tiers = None
+        self.loading: dict[str, tuple[Sequence, list, list]] = {}
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def abort(self, request_id: str) -> Sequence | None:
         for seq in list(self.running):
@@ -76,6 +81,12 @@ class Scheduler:
                 self.waiting.remove(seq)
                 self.kv.free(seq)
                 return seq
+        if request_id in self.loading:
+            seq, _, futs = self.loading.pop(request_id)
+            for f in futs:
+                f.cancel()
+            self.kv.free(seq)
+            return seq
         return None
 
     # ---- one step ------------------------------------------------------------------------
@@ -98,30 +109,91 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
+        if self.loading:
+            self._poll_loads(idle=not out.scheduled and not self.waiting)
         if out.preempted or out.out_of_memory:
             return out
         self._order_waiting()
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             match = self.kv.match_prefix(seq)
-            n = min(seq.num_tokens - match.num_tokens, budget)
-            if self.kv.allocate_slots(seq, match.num_tokens + n, match) is None:
+            payloads = self._tier_payloads(seq, match) if match.tier_hits and self.tiers is not None else []
+            if payloads is None:  # loading in the background: the others go on
+                self.waiting.popleft()
+                continue
+            cached = match.num_tokens + len(payloads) * self.kv.block_size
+            n = min(seq.num_tokens - cached, budget)
+            if self.kv.allocate_slots(seq, cached + n, match) is None:
                 if not self.running:  # the whole pool is free for it and still too small
                     self.waiting.popleft()
                     self._drop(seq, out)
                     continue
                 break
             self.waiting.popleft()
-            self._admit(seq, match)
+            if payloads:
+                self._write_loaded(seq, match, payloads)
+            self._admit(seq, match, cached)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
         return out
 
-    def _admit(self, seq: Sequence, match: MatchResult) -> None:
+    # ---- storage tiers -------------------------------------------------------------------
+    def _tier_payloads(self, seq: Sequence, match: MatchResult) -> list[bytes] | None:
+        """Verified KV for the leading tier hits of ``match`` (the longest contiguous run that
+        loaded; a failed load ends it and those tokens are computed), or None when the loads
+        went to the background (the request waits for them, off the queue)."""
+        bs = self.kv.block_size
+        first = match.num_tokens // bs
+        keys = [h for h, _ in match.tier_hits]
+        have = seq.tier_payloads
+        if have is not None:  # loaded in the background already
+            out = []
+            for k in keys:
+                if k not in have:
+                    break
+                out.append(have[k])
+            return out
+        tiers = [t for _, t in match.tier_hits]
+        tokens = [seq.all_token_ids[(first + j) * bs : (first + j + 1) * bs] for j in range(len(keys))]
+        if all(self.tiers.is_fast(t) for t in tiers):
+            return self.tiers.load_now(keys, tiers, tokens)
+        self.loading[seq.request_id] = (seq, keys, self.tiers.submit(keys, tiers, tokens))
+        seq.status = SequenceStatus.WAITING_FOR_KV
+        return None
+
+    def _poll_loads(self, idle: bool) -> None:
+        """Requests whose loads all finished (or passed their deadline) go back to the head of
+        the queue. ``idle``: nothing else to run, so wait a little for a load instead of spinning."""
+        from ..kv.tiered import wait_any
+
+        if idle:
+            futs = [f for _, _, fs in self.loading.values() for f in fs if not f.done()]
+            if futs:
+                wait_any(futs, min(f.deadline for f in futs))
+        now = time.monotonic()
+        for rid, (seq, keys, futs) in list(self.loading.items()):
+            if all(f.done() or now > f.deadline for f in futs):
+                del self.loading[rid]
+                seq.tier_payloads = self.tiers.collect(keys, futs)
+                seq.status = SequenceStatus.WAITING
+                self.waiting.appendleft(seq)
+
+    def _write_loaded(self, seq: Sequence, match: MatchResult, payloads: list[bytes]) -> None:
+        table = self.kv.block_table(seq.request_id)
+        first = match.num_tokens // self.kv.block_size
+        for j, payload in enumerate(payloads):
+            key, tier = match.tier_hits[j]
+            self.tiers.write_block(table[first + j], key, tier, payload)
+            self.tiers.record_hit(tier, self.kv.block_size)
+        seq.num_tier_tokens += len(payloads) * self.kv.block_size
+
+    def _admit(self, seq: Sequence, match: MatchResult, cached: int | None = None) -> None:
+        cached = match.num_tokens if cached is None else cached
+        seq.tier_payloads = None
         self.kv.record_query(seq, match)
-        seq.num_computed_tokens = match.num_tokens
+        seq.num_computed_tokens = cached
         if seq.num_cached_tokens < 0:
-            seq.num_cached_tokens = match.num_tokens
+            seq.num_cached_tokens = cached
         seq.status = SequenceStatus.RUNNING
         self.skips.pop(seq.request_id, None)
         self.running.append(seq)

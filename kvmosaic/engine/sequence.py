@@ -14,6 +14,7 @@ from .sampling_params import SamplingParams
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_KV = "waiting_for_kv"  # its prefix is loading from a storage tier
     FINISHED = "finished"
 
 
@@ -47,6 +48,10 @@ class Sequence:
     segments: tuple | None = None
     num_segment_tokens: int = 0
     cache_limit: int | None = None
+    # Storage tiers: verified payloads loaded in the background (chain hash -> bytes), until
+    # admission puts them into pool blocks; and how many tokens came from tiers on admission.
+    tier_payloads: dict | None = None
+    num_tier_tokens: int = 0
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,173 @@
+"""The engine side of the storage tiers: moves KV between the pool and a :class:`TierStack`.
+
+One :class:`TierConnector` per engine. It is
+
+- the pool's observer (``BlockPool.observer``, both backends): on ``cache_block`` it copies the
+  block's KV out for the tiers whose policy is write-through; on ``uncache_block(evicted=True)``
+  (the KV still in the block) for the write-back tiers. The copy is synchronous (a memcpy, or a
+  pinned non-blocking copy plus a sync on CUDA); encoding and the write to a disk or Redis tier
+  run on one writer thread, a host tier is written at once;
+- the managers' tier lookup (``KVCacheManager.tiers``): ``lookup(chain hashes)``;
+- the scheduler's loader: ``load_now`` (host tiers, on the engine thread) and ``submit`` (disk and
+  Redis, on the :class:`TierLoader` thread, with a deadline). Every payload it hands out passed
+  ``TierStack.load``'s checks (checksum, header, token ids, key); a failed or late load is a
+  miss and the scheduler computes those tokens.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from ..tiers import TierLoader, TierStack, Trigger, build_tiers, encode_block
+from .block_io import BlockIO
+
+
+class TierConnector:
+    def __init__(self, stack: TierStack, io: BlockIO, load_timeout: float = 2.0) -> None:
+        self.stack = stack
+        self.io = io
+        self.loader = TierLoader(stack, load_timeout)
+        self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmosaic-tier-write")
+        self._through = [i for i, t in enumerate(stack) if t.wants(Trigger.FULL)]
+        self._back = [i for i, t in enumerate(stack) if t.wants(Trigger.EVICT)]
+        self._tokens: dict[bytes, tuple[int, ...]] = {}  # cached blocks' tokens, for write-back
+        self._loaded_from: dict[bytes, int] = {}  # blocks loaded, not indexed yet -> source tier
+        self._lock = threading.Lock()
+        self.hit_tokens = [0] * len(stack)  # tokens each tier supplied to admitted requests
+        self.load_failures = 0  # blocks a lookup promised but no tier delivered verified
+        self.blocks_loaded = 0
+        self.blocks_written = 0
+        self.write_errors = 0
+        self._closed = False
+
+    @classmethod
+    def from_specs(cls, specs: Sequence[str], io: BlockIO, load_timeout: float = 2.0) -> TierConnector:
+        return cls(TierStack(build_tiers(list(specs))), io, load_timeout)
+
+    # ---- the pool's observer ---------------------------------------------------------------
+    def on_cache(self, block, block_hash: bytes, token_ids: Sequence[int]) -> None:
+        if self._back:
+            self._tokens[block_hash] = tuple(token_ids)
+        src = self._loaded_from.pop(block_hash, None)
+        targets = [i for i in self._through if i != src]
+        if targets:
+            self._store(block.block_id, block_hash, token_ids, targets, check=src is not None)
+
+    def on_uncache(self, block, block_hash: bytes, evicted: bool) -> None:
+        tokens = self._tokens.pop(block_hash, None) if self._back else None
+        if not evicted or tokens is None:
+            return
+        targets = [i for i in self._back if not (self.stack[i].medium == "host" and self.stack[i].contains(block_hash))]
+        if targets:
+            self._store(block.block_id, block_hash, tokens, targets, check=False)
+
+    def _store(self, block_id: int, key: bytes, tokens: Sequence[int], targets: list[int], check: bool) -> None:
+        payload = self.io.read(block_id)  # now: the block may be overwritten by the next step
+        meta = self.io.meta(key, tokens)
+        fast = [i for i in targets if self.stack[i].medium == "host"]
+        slow = [i for i in targets if i not in fast]
+        if fast:
+            self._put(key, encode_block(meta, payload), fast, check)
+        if slow and not self._closed:
+            self._writer.submit(self._put, key, None, slow, check, meta, payload)
+
+    def _put(self, key, value, targets, check, meta=None, payload=None) -> None:
+        try:
+            if check:
+                targets = [i for i in targets if not self.stack[i].contains(key)]
+            if not targets:
+                return
+            if value is None:
+                value = encode_block(meta, payload)
+            n = len(self.stack.put_encoded(key, value, targets))
+            with self._lock:
+                self.blocks_written += n
+        except Exception:  # noqa: BLE001 - a failed store is a future miss, never an error
+            with self._lock:
+                self.write_errors += 1
+
+    # ---- lookup and load -------------------------------------------------------------------
+    def lookup(self, keys: Sequence[bytes]) -> list[int | None]:
+        try:
+            return self.stack.lookup(keys)
+        except Exception:  # noqa: BLE001
+            return [None] * len(keys)
+
+    def is_fast(self, tier: int) -> bool:
+        return self.stack[tier].medium == "host"
+
+    def load_now(self, keys: Sequence[bytes], tiers: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[bytes]:
+        """Load on this thread; the verified payloads of the longest contiguous run."""
+        out = []
+        for k, t, toks in zip(keys, tiers, tokens):
+            try:
+                got = self.stack.load(k, self.io.meta(k, toks), t)
+            except Exception:  # noqa: BLE001
+                got = None
+            if got is None:
+                self.load_failures += len(keys) - len(out)
+                break
+            out.append(got.payload)
+        return out
+
+    def submit(self, keys: Sequence[bytes], tiers: Sequence[int], tokens: Sequence[Sequence[int]]) -> list[cf.Future]:
+        return [self.loader.submit(k, self.io.meta(k, toks), t) for k, t, toks in zip(keys, tiers, tokens)]
+
+    def collect(self, keys: Sequence[bytes], futs: Sequence[cf.Future]) -> dict[bytes, bytes]:
+        """Results of finished (or late) loads: the verified payloads, by key."""
+        out = {}
+        for k, f in zip(keys, futs):
+            got = self.loader.result(f)
+            if got is None:
+                self.load_failures += 1
+            else:
+                out[k] = got.payload
+        return out
+
+    def write_block(self, block_id: int, key: bytes, tier: int, payload: bytes) -> None:
+        """Put a loaded payload into a pool block (the manager indexes it at the next commit)."""
+        self.io.write(block_id, payload)
+        self._loaded_from[key] = tier
+        self.blocks_loaded += 1
+
+    def record_hit(self, tier: int, num_tokens: int) -> None:
+        self.hit_tokens[tier] += num_tokens
+
+    # ---- housekeeping ----------------------------------------------------------------------
+    def flush(self) -> None:
+        """Wait until every queued write reached its tier."""
+        if not self._closed:
+            self._writer.submit(lambda: None).result()
+
+    def stats(self) -> dict[str, Any]:
+        tiers = self.stack.stats()
+        for i, t in enumerate(self.stack):
+            tiers[t.name]["hit_tokens"] = self.hit_tokens[i]
+        return {
+            "tiers": tiers,
+            "blocks_loaded": self.blocks_loaded,
+            "blocks_written": self.blocks_written,
+            "load_failures": self.load_failures,
+            "write_errors": self.write_errors,
+            "late_loads": self.loader.late_loads,
+        }
+
+    def health(self) -> dict[str, str]:
+        return {t.name: t.state for t in self.stack}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._writer.shutdown(wait=True)
+        self.loader.close()
+        self.stack.close()
+
+
+def wait_any(futs: Sequence[cf.Future], until: float) -> None:
+    """Block until one of ``futs`` is done or ``until`` (monotonic) passes."""
+    cf.wait(futs, timeout=max(0.0, until - time.monotonic()), return_when=cf.FIRST_COMPLETED)
