@@ -2,22 +2,53 @@
 Ray Serve, once per routing policy. Prints each policy's prefix hit rate (cached / prompt
 tokens, as the replicas report them), the cache-aware / round-robin ratio, and the router's
 predicted vs reported cached tokens.
+
+The workload is built so that where a request goes matters: ``--tenants`` tenants, each with
+a distinct system prompt of about ``--system-tokens`` tokens, ask short questions in a seeded
+random order; each replica's pool (``--pool-tenants``) holds about half the tenants' prefixes.
+A router that spreads a tenant over both replicas pays its prefix on both and makes each pool
+cycle through every tenant (LRU evicts before reuse); one that keeps each tenant on one replica
+pays each prefix once.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
+import random
 import re
+import time
 
 import httpx
 
-
-def tenants(n: int) -> list[str]:
-    return [f"You are the assistant of tenant {t}. Follow policy number {t} and answer briefly. " * 14
-            for t in range(n)]
+WORDS = ("invoice refund shipping warranty account billing order parcel voucher ledger policy "
+         "escalate verify courteous concise summary customer region holiday discount premium").split()
 
 
-def run_policy(policy: str, args) -> dict:
+def tenants(n: int, system_tokens: int, seed: int = 0) -> list[str]:
+    """Distinct system prompts (different from their first words on, so no block is shared)."""
+    rng = random.Random(seed)
+    words = max(8, int(system_tokens / 1.25))
+    return [f"Tenant {t} rules. " + " ".join(rng.choice(WORDS) for _ in range(words)) for t in range(n)]
+
+
+def schedule(n_requests: int, n_tenants: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(n_tenants) for _ in range(n_requests)]
+
+
+def pool_blocks(system_prompt_tokens: int, pool_tenants: float, block_size: int = 16) -> int:
+    per_tenant = math.ceil((system_prompt_tokens + 32) / block_size)
+    return math.ceil(pool_tenants * per_tenant) + 4
+
+
+def measure_tokens(text: str) -> int:
+    from ..serve.ingress import load_tokenizer_for
+
+    return len(load_tokenizer_for(None).encode(text, add_special_tokens=False))
+
+
+def run_policy(policy: str, args, systems: list[str], order: list[int], num_kv_blocks: int) -> dict:
     import ray
     from ray import serve
 
@@ -27,17 +58,17 @@ def run_policy(policy: str, args) -> dict:
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(2, policy, {"num_kv_blocks": args.num_kv_blocks}), name="kvmosaic", route_prefix="/")
-    url, systems, prompt, cached = f"http://127.0.0.1:{port}", tenants(args.tenants), 0, 0
+    serve.run(build_app(2, policy, {"num_kv_blocks": num_kv_blocks}), name="kvmosaic", route_prefix="/")
+    url, prompt, cached, t0 = f"http://127.0.0.1:{port}", 0, 0, time.perf_counter()
     try:
-        for i in range(args.requests):
-            t = i % args.tenants
+        for i, t in enumerate(order):
             body = {"messages": [{"role": "system", "content": systems[t]},
                                  {"role": "user", "content": f"Question {i}: what is {i} + {t}?"}],
                     "max_tokens": 4, "temperature": 0}
             usage = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).json()["usage"]
             prompt += usage["prompt_tokens"]
             cached += usage["prompt_tokens_details"]["cached_tokens"]
+        seconds = time.perf_counter() - t0
         metrics = httpx.get(url + "/metrics", timeout=30).text
     finally:
         serve.shutdown()
@@ -47,7 +78,7 @@ def run_policy(policy: str, args) -> dict:
         m = re.search(rf"^{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, re.MULTILINE)
         return float(m.group(1)) if m else 0.0
 
-    return {"policy": policy, "hit_rate": cached / prompt, "cached": cached, "prompt": prompt,
+    return {"policy": policy, "hit_rate": cached / prompt, "cached": cached, "prompt": prompt, "seconds": seconds,
             "predicted": metric("kvmosaic_router_predicted_cached_tokens"),
             "reported": metric("kvmosaic_router_reported_cached_tokens")}
 
@@ -56,15 +87,25 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvmosaic.bench.replicas")
     p.add_argument("--policies", nargs="+", default=["round-robin", "cache-aware", "least-loaded", "approximate-tree"])
     p.add_argument("--tenants", type=int, default=4)
-    p.add_argument("--requests", type=int, default=24)
-    p.add_argument("--num-kv-blocks", type=int, default=256, help="small pools: 2 replicas cannot hold every tenant")
+    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--system-tokens", type=int, default=1000, help="about this many tokens per system prompt")
+    p.add_argument("--pool-tenants", type=float, default=2.5,
+                   help="each replica's pool holds this many tenants' prefixes (default: about half of 4, plus room)")
+    p.add_argument("--num-kv-blocks", type=int, default=None, help="override the pool size")
+    p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
-    rows = [run_policy(pol, args) for pol in args.policies]
-    print("| policy | prefix hit rate | cached / prompt tokens | router predicted / reported |\n|---|---|---|---|")
+    systems, order = tenants(args.tenants, args.system_tokens, args.seed), schedule(args.requests, args.tenants, args.seed)
+    sys_tokens = max(measure_tokens(s) for s in systems)
+    blocks = args.num_kv_blocks or pool_blocks(sys_tokens, args.pool_tenants)
+    print(f"{args.tenants} tenants, system prompts <= {sys_tokens} tokens, {args.requests} requests "
+          f"(tenant order {''.join(map(str, order))}), {blocks} KV blocks per replica", flush=True)
+    rows = [run_policy(pol, args, systems, order, blocks) for pol in args.policies]
+    print("| policy | prefix hit rate | cached / prompt tokens | router predicted / reported | wall s |\n"
+          "|---|---|---|---|---|")
     for r in rows:
         acc = r["predicted"] / r["reported"] if r["reported"] else float("nan")
         print(f"| {r['policy']} | {r['hit_rate']:.3f} | {r['cached']} / {r['prompt']} | "
-              f"{r['predicted']:.0f} / {r['reported']:.0f} = {acc:.3f} |")
+              f"{r['predicted']:.0f} / {r['reported']:.0f} = {acc:.3f} | {r['seconds']:.1f} |")
     by = {r["policy"]: r for r in rows}
     if "cache-aware" in by and "round-robin" in by and by["round-robin"]["hit_rate"]:
         print(f"\nhit rate cache-aware / round-robin = {by['cache-aware']['hit_rate'] / by['round-robin']['hit_rate']:.2f}")

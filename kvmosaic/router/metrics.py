@@ -2,8 +2,9 @@
 
 * ``kvmosaic_router_decisions_total{policy, reason}``: reason in cache_hit / load_balance / fallback;
 * ``kvmosaic_router_predicted_cached_tokens_total`` and ``..._reported_cached_tokens_total``: what
-  the router expected a request to hit, and what the replica's ``usage`` then reported (their
-  ratio is the router's accuracy);
+  the router expected a request to hit, and what the replica's ``usage`` then reported, both
+  counted once per answered request (:meth:`answered`), so a retried request is not predicted
+  twice; their ratio is the router's accuracy;
 * ``kvmosaic_router_event_lag_seconds{replica}`` and ``kvmosaic_router_event_gaps{replica}``;
 * ``kvmosaic_router_decision_seconds``: time spent in ``choose``.
 """
@@ -33,10 +34,13 @@ class RouterMetrics:
         self.decision_time = Histogram("kvmosaic_router_decision_seconds", "Time in the policy's choose",
                                        buckets=(1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2), registry=r)
 
-    def decided(self, reason: str, seconds: float, predicted_tokens: int) -> None:
+    def decided(self, reason: str, seconds: float) -> None:
         self.decisions.labels(self.policy, reason).inc()
         self.decision_time.observe(seconds)
+
+    def answered(self, predicted_tokens: int, reported_tokens: int) -> None:
         self.predicted.inc(predicted_tokens)
+        self.reported.inc(reported_tokens)
 
     def observe_index(self, index: ClusterIndex) -> None:
         for rid, view in list(index.replicas.items()):

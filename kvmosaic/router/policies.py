@@ -135,17 +135,25 @@ class CacheAware(LeastLoaded):
         bs = self.index.block_size
         return {r: (m.blocks * bs, m.credit_tokens) for r, m in self.index.match(self.chain(request), fresh).items()}
 
+    def cache_blocks(self, replica_id: str) -> int:
+        """How many blocks the index says the replica's cache holds (0 when unknown)."""
+        view = self.index.replicas.get(replica_id)
+        return len(view.blocks.parent) if view is not None else 0
+
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> tuple[str, str]:
         held = self.held(request, replicas)
         if held is None:
             return self.pick(replicas), "fallback"
         cost = self.running_cost_tokens
-        if min(r.tokens(cost) for r in replicas) > self.load_bound_tokens or not held:
+        if min(r.tokens(cost) for r in replicas) > self.load_bound_tokens:
             chosen, reason = self.pick(replicas), "load_balance"
         else:
+            # Ties (typically: a prompt no replica holds, on an idle cluster) go to the replica
+            # whose cache holds the fewest blocks: a new tenant's prefix then lands where it
+            # evicts the least, and tenants spread over replicas instead of piling on one.
             n = len(request.token_ids)
-            score = {r.replica_id: r.tokens(cost) + n - self.hit_weight * held.get(r.replica_id, (0, 0.0))[1]
-                     for r in replicas}
+            score = {r.replica_id: (r.tokens(cost) + n - self.hit_weight * held.get(r.replica_id, (0, 0.0))[1],
+                                    self.cache_blocks(r.replica_id)) for r in replicas}
             start = next(self._turn) % len(replicas)
             order = [r.replica_id for r in replicas[start:]] + [r.replica_id for r in replicas[:start]]
             chosen = min(order, key=score.__getitem__)

@@ -5,6 +5,11 @@ the prompt's token ids with the engine's tokenizer and chat template (``router.p
 and forwards the untouched body to the replica the router picks. Invariant: a request whose
 replica died before answering is sent again, elsewhere (a non-streamed answer is only returned
 once complete, so nothing was returned to the client yet); up to ``retries`` times.
+
+The router runs in this process (Ray Serve runs a handle's ``RequestRouter`` where the handle
+is owned); the ingress finds it in ``serve.state`` to count the replica's reported
+``cached_tokens`` against the router's prediction, and to serve ``/metrics`` and
+``/router/state`` (the index per replica, and with ``?pools=1`` what each replica's pool holds).
 """
 
 
@@ -21,7 +26,7 @@ from ray import serve
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 
 from ..router.prompt_hashes import prompt_token_ids
-from . import request_router
+from . import state as serve_state
 
 log = logging.getLogger("kvmosaic.serve")
 api = FastAPI(title="kvmosaic (replicas)")
@@ -65,21 +70,32 @@ class OpenAIIngress:
                 break
             except (ActorDiedError, ActorUnavailableError, RayActorError) as e:
                 log.warning("replica died before answering (attempt %d): %s", attempt + 1, e)
+                router = self.router()
+                if router is not None:
+                    router.predicted.pop(routed["key"], None)
+                    router.finished(routed["key"])
                 if attempt == self.retries:
                     return JSONResponse({"error": {"message": "no replica could answer", "code": 503}}, 503)
         self._observe(routed, out)
         return Response(out["body"], out["status"], media_type=out["content_type"],
-                        headers={"x-kvmosaic-replica": out["replica"]})
+                        headers={"x-kvmosaic-replica": out["replica"], "x-kvmosaic-attempts": str(attempt + 1)})
+
+    def router(self):
+        """The ``KVMosaicRouter`` of this process (None before the first request made it)."""
+        return serve_state.get(self.engines.deployment_name)
 
     def _observe(self, routed: dict, out: dict) -> None:
-        router = request_router.STATE.get("router")
-        if router is None or out["status"] != 200 or "json" not in (out["content_type"] or ""):
+        router = self.router()
+        if router is None:
             return
+        router.finished(routed["key"])
         predicted = router.predicted.pop(routed["key"], None)
+        if out["status"] != 200 or "json" not in (out["content_type"] or ""):
+            return
         usage = json.loads(out["body"]).get("usage") or {}
         cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
         if predicted is not None and cached is not None:
-            router.metrics.reported.inc(cached)
+            router.metrics.answered(predicted, cached)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request) -> Response:
@@ -95,6 +111,30 @@ class OpenAIIngress:
 
     @api.get("/metrics")
     async def metrics(self) -> Response:
-        router = request_router.STATE.get("router")
+        router = self.router()
         text = generate_latest(router.metrics.registry) if router else b""
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @api.get("/router/state")
+    async def router_state(self, pools: bool = False) -> dict:
+        """The router's view: per replica its pid, freshness, gaps and indexed block hashes
+        (hex); with ``pools``, also what each replica's pool holds (asked of it, pinned)."""
+        router = self.router()
+        if router is None:
+            return {"router": None, "replicas": {}}
+        with router.follower.lock:
+            replicas = {rid: {"pid": router.pids.get(rid), "fresh": router.index.fresh(rid), "gaps": view.gaps,
+                              "stale": view.stale, "next_seq": view.next_seq,
+                              "index": sorted(h.hex() for h in view.blocks.parent)}
+                        for rid, view in router.index.replicas.items()}
+        out = {"router": router.policy_name, "replicas": replicas, "pids": dict(router.pids)}
+        if pools:
+            out["pools"] = {}
+            for rid in list(router.pids):
+                try:
+                    got_rid, hashes = await self.engines.pool_hashes.remote({"pin": rid})
+                except (ActorDiedError, ActorUnavailableError, RayActorError):
+                    continue
+                if got_rid == rid:
+                    out["pools"][rid] = sorted(h.hex() for h in hashes)
+        return out

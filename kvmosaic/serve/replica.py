@@ -77,9 +77,10 @@ class EngineReplica:
                 "model_info": self.info, "queued_prefill_tokens": self.queued_tokens,
                 "running": st.num_running, "waiting": st.num_waiting, "pid": os.getpid()}
 
-    async def pool_hashes(self) -> list[bytes]:
-        """What the pool holds now (tests: the router's index must equal it)."""
-        return await self.engine.call(lambda e: list(e.pool.cached))
+    async def pool_hashes(self, _routed: dict | None = None) -> tuple[str, list[bytes]]:
+        """(this replica, what its pool holds now); tests: the router's index must equal it.
+        Pass ``{"pin": replica_id}`` to have the router send the call to that replica."""
+        return self.replica_id(), await self.engine.call(lambda e: list(e.pool.cached))
 
     def __del__(self) -> None:  # Ray Serve's replica shutdown hook
         self.engine.shutdown()
