@@ -14,6 +14,7 @@ fields below: ``add_request`` / ``add_processed``, ``abort_request``, ``step``,
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -31,10 +32,13 @@ from .config import EngineConfig
 from .input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from .model_runner import ModelRunner, StepResult
 from .output_processor import OutputProcessor, RequestOutput
-from .sampler import sample, top_logprobs
+from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence
+
+logger = logging.getLogger("kvmosaic.engine")
+
 
 @dataclass
 class EngineStats:
@@ -180,10 +184,24 @@ class LLMEngine:
         self.num_preemptions += len(sched.preempted)
         outputs = [self._retire(seq) for seq in sched.out_of_memory]
         if sched.scheduled:
-            result = self._execute(sched)
+            try:
+                result = self._execute(sched)
+            except Exception as exc:  # the whole step failed: fail its batch, free their blocks
+                logger.exception("the forward pass failed; failing the %d requests of this step",
+                                 len(sched.scheduled))
+                return outputs + [self._fail(s.seq, f"engine error in the forward pass: {exc}", "step")
+                                  for s in sched.scheduled]
             self.scheduler.update(sched)
             outputs += self._process_samples(result)
         return outputs
+
+    def _fail(self, seq: Sequence, message: str, reason: str) -> RequestOutput:
+        """One request failed: it alone ends (``finish_reason == "error"``), its blocks are
+        freed, the rest of the batch goes on."""
+        self.scheduler.finish(seq, "error")
+        seq.finish_time = time.perf_counter()
+        self.requests.pop(seq.request_id, None)
+        return self.outputs.make_output(seq, error=message, error_reason=reason)
 
     def _execute(self, sched: SchedulerOutput) -> StepResult:
         copies = self.cache.take_pending_copies()
@@ -210,25 +228,37 @@ class LLMEngine:
         for seq in seqs:  # a seeded request's generator lives on the logits' device
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed)
-        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs])
+        tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
         lps = top_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
         now = time.perf_counter()
         outputs = []
         for seq, tok, lp in zip(seqs, tokens, lps):
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                self.prompt_tokens += seq.num_prompt_tokens
-            seq.append_token(tok)
-            self.generation_tokens += 1
-            if lp is not None:
-                seq.output_logprobs.append(lp)
-            self.outputs.check_stop(seq, tok)
-            if seq.finish_reason is not None:
-                self.scheduler.finish(seq, seq.finish_reason)
-                outputs.append(self._retire(seq))
-            else:
-                outputs.append(self.outputs.make_output(seq))
+            # A failure here belongs to this request alone (issue 14): it fails, the batch goes on.
+            if isinstance(tok, Exception):
+                outputs.append(self._fail(seq, f"sampling failed: {tok}", "sampling"))
+                continue
+            try:
+                outputs.append(self._process_one(seq, tok, lp, now))
+            except Exception as exc:  # noqa: BLE001 - stop handling, detokenisation
+                logger.warning("request %s failed while its output was processed: %s: %s",
+                               seq.request_id, type(exc).__name__, exc)
+                outputs.append(self._fail(seq, f"processing the output failed: {type(exc).__name__}: {exc}",
+                                          "output_processing"))
         return outputs
+
+    def _process_one(self, seq: Sequence, tok: int, lp: dict | None, now: float) -> RequestOutput:
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self.prompt_tokens += seq.num_prompt_tokens
+        seq.append_token(tok)
+        self.generation_tokens += 1
+        if lp is not None:
+            seq.output_logprobs.append(lp)
+        self.outputs.check_stop(seq, tok)
+        if seq.finish_reason is not None:
+            self.scheduler.finish(seq, seq.finish_reason)
+            return self._retire(seq)
+        return self.outputs.make_output(seq)
 
     def _retire(self, seq: Sequence) -> RequestOutput:
         """A finished sequence (its blocks already freed by the scheduler) leaves the engine."""

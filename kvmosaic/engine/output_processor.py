@@ -6,6 +6,7 @@ concerns that sequence alone (the engine fails that request and keeps the batch 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from .sequence import Sequence
@@ -27,6 +28,10 @@ class RequestOutput:
     logprobs: list[dict[int, float]] | None = None
     num_segment_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+    # Set when the request failed (``finish_reason == "error"``): what went wrong, and a
+    # short reason for metrics ("sampling", "output_processing", "step").
+    error: str | None = None
+    error_reason: str | None = None
 
     @property
     def num_computed_tokens(self) -> int:
@@ -34,16 +39,28 @@ class RequestOutput:
         return len(self.prompt_token_ids) - self.num_cached_tokens - self.num_segment_tokens
 
 
+class InjectedFault(RuntimeError):
+    """Raised on purpose by the fault-injection hook (tests and the reliability suite)."""
+
+
+# Fault injection for tests: a request whose prompt contains this marker raises while its
+# third token is processed (set the environment variable, or ``fault_marker``).
+FAULT_ENV = "KVMOSAIC_FAULT_INJECTION"
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, eos_token_id: int | None, max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
         self.max_model_len = max_model_len
+        self.fault_marker: str | None = os.environ.get(FAULT_ENV) or None
 
     def check_stop(self, seq: Sequence, tok: int) -> None:
         """After ``tok`` was appended: set ``finish_reason`` (and the visible text) if the
         sequence is done: EOS or a stop token, a stop string, ``max_tokens`` or the context."""
         p = seq.params
+        if self.fault_marker and seq.prompt and self.fault_marker in seq.prompt and len(seq.output_token_ids) >= 3:
+            raise InjectedFault(f"injected fault in request {seq.request_id}")
         if (tok == self.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", (None if tok == self.eos_token_id else tok)
             seq.output_text = self.detokenize(seq.output_token_ids[:-1])
@@ -65,7 +82,7 @@ class OutputProcessor:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     @staticmethod
-    def make_output(seq: Sequence) -> RequestOutput:
+    def make_output(seq: Sequence, error: str | None = None, error_reason: str | None = None) -> RequestOutput:
         return RequestOutput(
             request_id=seq.request_id,
             prompt=seq.prompt,
@@ -81,4 +98,6 @@ class OutputProcessor:
             metrics={"arrival_time": seq.arrival_time, "ttft": seq.ttft,
                      "e2e": (seq.finish_time - seq.arrival_time) if seq.finish_time else None,
                      "num_preemptions": seq.num_preemptions},
+            error=error,
+            error_reason=error_reason,
         )

@@ -22,20 +22,68 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.T
     return logits
 
 
+class SamplingError(ValueError):
+    """One row of logits could not be sampled (e.g. every logit is NaN): the request that
+    owns the row fails, the rest of the batch does not."""
+
+
+def sanitize(row: torch.Tensor) -> torch.Tensor:
+    """One row with NaN turned into -inf and, when some logit is +inf, only those tokens
+    left possible. Raises :class:`SamplingError` when no token is left."""
+    if bool(torch.isfinite(row).all()):
+        return row
+    row = torch.nan_to_num(row, nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    pos = torch.isposinf(row)
+    if bool(pos.any()):
+        row = torch.where(pos, torch.zeros_like(row), torch.full_like(row, float("-inf")))
+    if not bool(torch.isfinite(row).any()):
+        raise SamplingError("the model produced no usable logits for this request (all NaN or -inf)")
+    return row
+
+
+def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator | None) -> int:
+    """One token from one row. Numerically safe for every accepted parameter: temperatures
+    below :data:`~.sampling_params.SAMPLING_EPS` are greedy (dividing by 1e-300 would make
+    every logit infinite); a distribution that still overflows falls back to the argmax."""
+    row = sanitize(row)
+    if p.greedy:
+        return int(row.argmax())
+    row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+    probs = row.softmax(-1)
+    if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
+        return int(row.argmax())
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def sample_rows(
+    logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
+) -> list[int | Exception]:
+    """One token per row of ``logits`` ``[n, vocab]``, or the exception that row raised: a
+    failure belongs to its request alone."""
+    greedy = logits.argmax(-1).tolist()
+    finite = torch.isfinite(logits).all(-1).tolist()
+    out: list[int | Exception] = []
+    for i, p in enumerate(params):
+        try:
+            if p.greedy and finite[i]:
+                out.append(greedy[i])
+            else:
+                out.append(sample_row(logits[i], p, generators[i]))
+        except Exception as exc:  # noqa: BLE001 - handed to the request that owns the row
+            out.append(exc)
+    return out
+
+
 def sample(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int]:
-    """One token per row of ``logits`` ``[n, vocab]`` (float32)."""
-    greedy = logits.argmax(-1).tolist()
-    out = []
-    for i, p in enumerate(params):
-        if p.greedy:
-            out.append(greedy[i])
-            continue
-        row = apply_top_k_top_p(logits[i] / p.temperature, p.top_k, p.top_p)
-        probs = row.softmax(-1)
-        out.append(int(torch.multinomial(probs, 1, generator=generators[i])))
-    return out
+    """One token per row of ``logits`` ``[n, vocab]`` (float32); raises the first row's
+    failure (callers that must isolate rows use :func:`sample_rows`)."""
+    out = sample_rows(logits, params, generators)
+    for tok in out:
+        if isinstance(tok, Exception):
+            raise tok
+    return out  # type: ignore[return-value]
 
 
 def top_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | None]) -> list[dict[int, float] | None]:
@@ -43,7 +91,9 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | None
     chosen token's."""
     if not any(k is not None for k in ks):
         return [None] * len(ks)
-    lp = torch.log_softmax(logits, dim=-1)
+    lp = torch.log_softmax(torch.nan_to_num(logits, nan=float("-inf")), dim=-1)
+    # JSON has no NaN or infinity: an impossible token gets vLLM's -9999.0.
+    lp = torch.nan_to_num(lp, nan=-9999.0, posinf=0.0, neginf=-9999.0)
     out: list[dict[int, float] | None] = []
     for i, k in enumerate(ks):
         if k is None:
@@ -53,6 +103,7 @@ def top_logprobs(logits: torch.Tensor, token_ids: list[int], ks: list[int | None
         if k:
             vals, idx = torch.topk(lp[i], k)
             d = dict(zip(idx.tolist(), vals.tolist()))
-        d[token_ids[i]] = float(lp[i, token_ids[i]])
+        if isinstance(token_ids[i], int):
+            d[token_ids[i]] = float(lp[i, token_ids[i]])
         out.append(d)
     return out

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+# Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a
+# temperature like 1e-300 would overflow every one of them to infinity.
+SAMPLING_EPS = 1e-5
 
 
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
 
-    ``temperature == 0`` is greedy. ``top_k`` of -1 (or 0) and ``top_p`` of 1 disable those
+    ``temperature == 0`` (or any value below ``SAMPLING_EPS``, 1e-5) is greedy. ``top_k`` of -1 (or 0) and ``top_p`` of 1 disable those
     filters. ``seed`` makes a sampled request reproducible regardless of what it is batched
     with. ``logprobs=k`` returns the top-k log-probabilities of each generated token.
     """
@@ -33,9 +38,11 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         _check(isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool), "max_tokens must be an integer")
         _check(self.max_tokens >= 1, f"max_tokens must be at least 1, got {self.max_tokens}")
-        _check(isinstance(self.temperature, (int, float)) and 0.0 <= self.temperature <= 100.0,
+        _check(isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
+               and 0.0 <= self.temperature <= 100.0,
                f"temperature must be in [0, 100], got {self.temperature}")
-        _check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _check(isinstance(self.top_p, (int, float)) and math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0,
+               f"top_p must be in (0, 1], got {self.top_p}")
         _check(isinstance(self.top_k, int) and (self.top_k == -1 or self.top_k >= 0), f"top_k must be -1 or >= 0, got {self.top_k}")
         _check(self.seed is None or isinstance(self.seed, int), "seed must be an integer")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop must be non-empty strings")
@@ -46,7 +53,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < SAMPLING_EPS
 
 
 def _check(ok: bool, message: str) -> None:

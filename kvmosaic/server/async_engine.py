@@ -35,8 +35,20 @@ from ..engine.sampling_params import SamplingParams
 log = logging.getLogger("kvmosaic.server")
 
 
-class RequestAborted(Exception):
-    """The request was aborted before it finished."""
+class RequestFailed(Exception):
+    """The request ended without finishing: ``status`` is the HTTP status to answer with,
+    ``reason`` the label it is counted under on /metrics."""
+
+    def __init__(self, message: str, status: int = 500, reason: str = "error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.reason = message, status, reason
+
+
+class RequestAborted(RequestFailed):
+    """The request was aborted before it finished (its client left, or the server cut it)."""
+
+    def __init__(self, message: str, status: int = 499, reason: str = "client_disconnect") -> None:
+        super().__init__(message, status, reason)
 
 
 class RequestStream:
@@ -75,10 +87,13 @@ class AsyncEngine:
         engine: LLMEngine,
         on_flush: Callable[[list, int], None] | None = None,
         on_finish: Callable[[RequestOutput], None] | None = None,
+        on_count: Callable[[str, str], None] | None = None,
     ) -> None:
         self.engine = engine
         self.on_flush = on_flush or (lambda events, dropped: None)
         self.on_finish = on_finish or (lambda out: None)
+        # ``on_count(kind, reason)``: kind "abort" or "failure" (metrics count both by reason)
+        self.on_count = on_count or (lambda kind, reason: None)
         self.stats: EngineStats = engine.get_stats()
         self._calls: queue.SimpleQueue[tuple[Callable[[LLMEngine], Any], concurrent.futures.Future | None]] = \
             queue.SimpleQueue()
@@ -148,19 +163,39 @@ class AsyncEngine:
             raise
         return stream
 
-    def abort(self, request_id: str) -> None:
+    def abort(self, request_id: str, reason: str = "client_disconnect") -> None:
         """Fire and forget; safe from any thread, for finished or unknown requests too."""
-        self._calls.put((lambda engine: self._abort(request_id), None))
+        self._calls.put((lambda engine: self._abort(request_id, reason), None))
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests added and not yet finished (a racy read from any thread is fine)."""
+        return len(self._streams)
+
+    def cut_all(self, message: str, status: int = 503, reason: str = "shutdown") -> None:
+        """End every request in flight with an explicit error (a drain's deadline passed)."""
+        def cut(engine: LLMEngine) -> None:
+            for request_id in list(self._streams):
+                self._abort(request_id, reason, RequestAborted(message, status, reason))
+        self._calls.put((cut, None))
 
     # ---- the engine thread ---------------------------------------------------------------
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "client_disconnect",
+               exc: RequestFailed | None = None) -> None:
         stream = self._streams.pop(request_id, None)
         out = self.engine.abort_request(request_id)
         if out is None:
             return
         self.on_finish(out)
+        self._count("abort", reason)
         if stream is not None:
-            stream.put(RequestAborted(f"request {request_id} was aborted"))
+            stream.put(exc or RequestAborted(f"request {request_id} was aborted", reason=reason))
+
+    def _count(self, kind: str, reason: str) -> None:
+        try:
+            self.on_count(kind, reason)
+        except Exception:
+            log.exception("counting a %s failed", kind)
 
     def _run_calls(self, block: bool) -> None:
         try:
@@ -186,18 +221,22 @@ class AsyncEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # a bug: fail the requests in flight, keep serving
-            log.exception("engine step failed; aborting %d requests", len(self._streams))
-            for request_id, stream in list(self._streams.items()):
-                stream.put(RuntimeError(f"engine error: {exc}"))
-                self._streams.pop(request_id)
-                self.engine.abort_request(request_id)
+        except Exception as exc:  # a bug outside any one request: fail those in flight, keep serving
+            log.exception("engine step failed; failing %d requests", len(self._streams))
+            for request_id in list(self._streams):
+                self._abort(request_id, "step_error",
+                            RequestFailed(f"engine error: {exc}", 500, "step"))
             return
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if out.finished:
                 self._streams.pop(out.request_id, None)
                 self.on_finish(out)
+                if out.error is not None:  # this request alone failed (see LLMEngine._fail)
+                    self._count("failure", out.error_reason or "error")
+                    if stream is not None:
+                        stream.put(RequestFailed(out.error, 500, out.error_reason or "error"))
+                    continue
             if stream is not None:
                 stream.put(out)
 

@@ -52,6 +52,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key-salt", default=None, metavar="SECRET",
                    help="derive each request's cache salt from its API key: HMAC-SHA256(SECRET, key)")
     s.add_argument("--max-body-bytes", type=memory_size, default=memory_size("1M"))
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM: stop admitting (503), let running requests finish for up to S seconds, "
+                        "then end the rest with an error")
+    s.add_argument("--header-timeout", type=float, default=10.0, metavar="S",
+                   help="close a connection whose request head has not arrived in S seconds (408)")
+    s.add_argument("--body-timeout", type=float, default=30.0, metavar="S",
+                   help="answer 408 when a request body stalls for S seconds")
+    s.add_argument("--timeout-keep-alive", type=int, default=5, metavar="S", help="close idle connections after S s")
     s.add_argument("--kv-events-endpoint", default=None, metavar="ZMQ",
                    help="publish cache events on this ZeroMQ PUB endpoint, e.g. tcp://*:5557")
     s.add_argument("--kv-events-replay-endpoint", default=None, metavar="ZMQ", help="e.g. tcp://*:5558")
@@ -140,18 +148,39 @@ def run(args: argparse.Namespace) -> int:
     if tenants.mode == "shared-public":
         texts, hashes = read_public_prefix_file(args.public_prefix_file) if args.public_prefix_file else ([], [])
         tenants.public = build_public_prefixes(engine, texts, hashes)
-    app = build_app(async_engine, model_name, metrics, tenants, args.max_body_bytes)
+    from .drain import Drain, DrainingServer
+    from .limits import GuardedH11Protocol
 
-    class Server(uvicorn.Server):
+    drain = Drain(args.shutdown_timeout)
+    app = build_app(async_engine, model_name, metrics, tenants, args.max_body_bytes, drain=drain,
+                    body_timeout=args.body_timeout)
+    info = engine.model_info
+    pool_tokens = info.num_kv_blocks * info.block_size
+    capacity_warning = None
+    if pool_tokens < engine.max_model_len:  # issue 14: admission by capacity
+        capacity_warning = (f"WARNING: the KV pool holds {pool_tokens} tokens ({info.num_kv_blocks} blocks of "
+                            f"{info.block_size}), less than one full-context request ({engine.max_model_len} "
+                            f"tokens); requests needing more are refused with 400. Raise --kv-cache-memory "
+                            f"or lower --max-model-len.")
+        logging.getLogger("kvmosaic.server").warning(capacity_warning)
+
+    class Protocol(GuardedH11Protocol):
+        header_timeout = args.header_timeout
+
+    class Server(DrainingServer):
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
                 print("\n" + banner(f"http://{host}:{port}", model_name, args.kv_events_endpoint) + "\n", flush=True)
+                if capacity_warning:
+                    print(capacity_warning + "\n", flush=True)
 
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   timeout_graceful_shutdown=5))
+                                   timeout_graceful_shutdown=5, http=Protocol,
+                                   timeout_keep_alive=args.timeout_keep_alive,
+                                   h11_max_incomplete_event_size=64 << 10), drain, async_engine)
     try:
         server.run()
     finally:

@@ -87,9 +87,27 @@ class ServerMetrics:
                               buckets=TTFT_BUCKETS, registry=self.registry)
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to last token.", ["model_name"],
                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        # Issue 14: every request that ended without finishing, by reason.
+        self.request_failures = Counter(
+            PREFIX + "request_failures", "Requests that failed (sampling, output_processing, step).",
+            ["model_name", "reason"], registry=self.registry)
+        self.request_aborts = Counter(
+            PREFIX + "request_aborts", "Requests aborted (client_disconnect, shutdown, step_error).",
+            ["model_name", "reason"], registry=self.registry)
+        self.requests_rejected = Counter(
+            PREFIX + "requests_rejected", "Requests refused before the engine (draining, too_large, ...).",
+            ["model_name", "reason"], registry=self.registry)
+
+    def count(self, kind: str, reason: str) -> None:
+        """``kind``: "failure", "abort" or "rejected"; thread-safe."""
+        counter = {"failure": self.request_failures, "abort": self.request_aborts}.get(kind, self.requests_rejected)
+        counter.labels(self.model_name, reason).inc()
 
     def on_finish(self, out: RequestOutput) -> None:
-        """Called once per request, from the engine thread, when it finishes or is aborted."""
+        """Called once per request, from the engine thread, when it finishes or is aborted
+        (a failed request is counted by :meth:`count` instead)."""
+        if out.finish_reason == "error":
+            return
         self.request_success.labels(self.model_name, out.finish_reason or "abort").inc()
         if out.finish_reason == "abort":
             return

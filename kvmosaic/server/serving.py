@@ -10,6 +10,7 @@ way it leaves no block in use.
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -17,23 +18,41 @@ from collections.abc import AsyncIterator, Callable
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
 
 from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from . import responses as R
-from .async_engine import AsyncEngine, RequestAborted, RequestStream
+from .async_engine import AsyncEngine, RequestFailed, RequestStream
 from .errors import APIError, error_body, from_validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .tenancy import TenantPolicy
 
+log = logging.getLogger("kvmosaic.server")
+
+# A prompt longer than this many characters per token of context is refused before it is
+# tokenised (no tokenizer makes tokens that long on average): rejected work must not cost.
+MAX_CHARS_PER_TOKEN = 16
+
+
+def client_left(request: Request, where: str) -> APIError:
+    """A client that went away is one line in the log, not a traceback."""
+    client = request.client
+    log.info("client %s closed the connection %s (%s %s)", f"{client.host}:{client.port}" if client else "?",
+             where, request.method, request.url.path)
+    return APIError(499, "the client closed the connection")
+
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    body = await request.body()
+    try:
+        body = await request.body()
+    except ClientDisconnect:
+        raise client_left(request, "while sending its body") from None
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})")
+        raise APIError(400, f"the request body is not valid UTF-8 (byte {e.start}: {body[e.start:e.start + 1]!r})") from None
     if not text.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
@@ -43,9 +62,21 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int, max_model_len: int,
-                    logprobs: int | None, prompt_param: str) -> SamplingParams:
+                    logprobs: int | None, prompt_param: str, pool_tokens: int | None = None) -> SamplingParams:
     """vLLM's rule: prompt plus requested tokens must fit the context; with no max_tokens
-    the request may use whatever the prompt leaves."""
+    the request may use whatever the prompt leaves. Admission by capacity: prompt plus
+    ``max_tokens`` must also fit the whole KV pool (``pool_tokens``), or the request could
+    only ever be cut short; with no max_tokens it may use what the pool leaves."""
+    if pool_tokens is not None and pool_tokens < max_model_len:
+        if num_prompt >= pool_tokens:
+            raise APIError(400, f"the prompt has {num_prompt} tokens but this server's KV cache holds at most "
+                                f"{pool_tokens} tokens for one request", prompt_param)
+        if max_tokens is not None and num_prompt + max_tokens > pool_tokens:
+            raise APIError(400, f"this server's KV cache holds at most {pool_tokens} tokens for one request, but "
+                                f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
+                                f"{max_tokens} in the completion); lower max_tokens to at most "
+                                f"{pool_tokens - num_prompt}", "max_tokens")
+        max_model_len = pool_tokens
     room = max_model_len - num_prompt
     if num_prompt == 0:
         raise APIError(400, "the prompt is empty", prompt_param)
@@ -77,6 +108,9 @@ class AbortOnClose(StreamingResponse):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
+        except (OSError, ClientDisconnect) as e:  # the client went away mid-stream: one line
+            client = scope.get("client") or ("?", "?")
+            log.info("client %s:%s closed the connection during a stream (%s)", *client[:2], type(e).__name__)
         finally:
             self.on_close()
 
@@ -92,6 +126,16 @@ class OpenAIServing:
         self.tenants = tenants
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
+        info = engine.model_info
+        self.pool_tokens = info.num_kv_blocks * info.block_size
+        self.max_prompt_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
+
+    def check_chars(self, num_chars: int, param: str) -> None:
+        """Refuse a prompt no tokenizer could fit in the context, before tokenising it."""
+        if num_chars > self.max_prompt_chars:
+            raise APIError(400, f"the prompt has {num_chars} characters; this server refuses more than "
+                                f"{self.max_prompt_chars} ({MAX_CHARS_PER_TOKEN} per token of its "
+                                f"{self.max_model_len}-token context) without tokenising them", param)
 
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
@@ -99,12 +143,16 @@ class OpenAIServing:
     async def completions(self, request: Request):
         token = self.tenants.authenticate(request.headers.get("authorization"))
         req: CompletionRequest = await parse_body(request, CompletionRequest)
+        p = req.single_prompt
+        chars = (len(p) if isinstance(p, str) else 0) + sum(len(x) for x in req.segments or []) + len(req.segment_suffix)
+        self.check_chars(chars, "prompt")
         return await self._serve(request, req, token, req.engine_prompt, req.max_tokens, req.logprobs, "prompt",
                                  chat=False)
 
     async def chat(self, request: Request):
         token = self.tenants.authenticate(request.headers.get("authorization"))
         req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
+        self.check_chars(sum(len(m.as_template_dict()["content"]) for m in req.messages), "messages")
         try:
             prompt = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
                                                         tokenize=False, add_generation_prompt=True)
@@ -121,7 +169,8 @@ class OpenAIServing:
         salt = self.tenants.cache_salt(token, req.cache_salt)
 
         def make_params(num_prompt: int) -> SamplingParams:
-            return sampling_params(req, max_tokens, num_prompt, self.max_model_len, logprobs, prompt_param)
+            return sampling_params(req, max_tokens, num_prompt, self.max_model_len, logprobs, prompt_param,
+                                   self.pool_tokens)
 
         try:
             prompt, salt = await self.tenants.resolve(self.engine.engine, req, prompt, salt)  # shared-public head
@@ -147,14 +196,14 @@ class OpenAIServing:
                     return out
                 if await request.is_disconnected():
                     break
-        except RequestAborted:
-            pass
-        except RuntimeError as e:  # the engine failed this step (see AsyncEngine._step)
-            raise APIError(500, str(e)) from None
+        except RequestFailed as e:  # this request failed, or the server cut it (drain)
+            if e.status != 499:
+                raise APIError(e.status, e.message, code=e.reason,
+                               headers={"Retry-After": "5"} if e.status == 503 else None) from None
         finally:
             if not stream.finished:
                 self.engine.abort(stream.request_id)
-        raise APIError(499, "the client closed the connection")
+        raise client_left(request, "while its request ran")
 
     async def _stream(self, stream: RequestStream, req: SamplingFields, rid: str, created: int,
                       logprobs: int | None, chat: bool) -> AsyncIterator[str]:
@@ -181,8 +230,10 @@ class OpenAIServing:
                 if include_usage:
                     body["usage"] = R.usage(out) if continuous else None
                 yield sse(body)
-        except (RequestAborted, RuntimeError) as e:
-            yield sse(error_body(500, str(e)))
+        except RequestFailed as e:  # an explicit error event, then [DONE]: never a silent cut
+            yield sse(error_body(e.status, e.message, code=e.reason))
+            yield sse("[DONE]")
+            return
         if include_usage and out is not None:
             yield sse(R.usage_chunk(rid, created, self.model_name,
                                     "chat.completion.chunk" if chat else "text_completion", out))
