@@ -16,6 +16,7 @@ COMMANDS = {
     "serve": ("kvmosaic.server.cli", "OpenAI-compatible HTTP server"),
     "bench": ("kvmosaic.bench.cli", "benchmarks against peers, with plots"),
     "explain": ("kvmosaic.explain", "where and why two prompts (or a prompt and a cache) diverge"),
+    "audit": ("kvmosaic.audit", "probe a live server for cross-tenant cache leaks (TTFT AUC, KS, cached_tokens)"),
 }
 
 
