@@ -6,10 +6,10 @@ import torch
 
 from kvmosaic.bench.benchmarks_md import SECTION, replace_section
 from kvmosaic.bench.hf_prompt_cache import PromptCacheStore
-from kvmosaic.cache.radix_tree import common_prefix_len
 from kvmosaic.bench.peers import unavailable_reason
 from kvmosaic.bench.summary import pick_reference
 from kvmosaic.bench.workloads import BUILDERS, build
+from kvmosaic.cache.radix_tree import common_prefix_len
 
 
 def test_workloads_are_deterministic_and_seeded():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from radix_sim import FakeKV, FakeReq, admit, make_manager
 
 from kvmosaic.cache.block_pool import BlockPool
-from radix_sim import FakeKV, FakeReq, admit, make_manager
 
 BS = 4
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from conftest import make_llm
+
 from kvmosaic import SamplingParams
 
 BACKENDS = ("none", "hash", "radix")
@@ -107,8 +107,8 @@ def test_partial_block_is_copied_not_recomputed():
 
 
 def test_stats_count_tree_blocks_as_cached_not_in_use():
-    from tests.conftest import make_llm
     from kvmosaic import SamplingParams
+    from tests.conftest import make_llm
 
     llm = make_llm(prefix_cache="radix", num_kv_blocks=64, block_size=8)
     llm.generate([list(range(300, 340))], SamplingParams(temperature=0.0, max_tokens=2), priority=3)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
 from radix_sim import FakeKV, FakeReq, admit, make_manager, step
 
 BS = 4

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from ..blend.blender import BlendOptions
-from ..cache.manager import PlainRequest
 from ..blend.prompt import parse_segment_prompt
+from ..cache.manager import PlainRequest
 from ..engine.llm import LLM
 from ..engine.sampling_params import SamplingParams
 

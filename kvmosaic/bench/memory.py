@@ -32,7 +32,7 @@ class PeakRSS:
             self.peak = max(self.peak, proc.memory_info().rss)
             self._stop.wait(self.interval)
 
-    def __enter__(self) -> "PeakRSS":
+    def __enter__(self) -> PeakRSS:
         self.peak = rss_bytes()
         self._thread.start()
         return self

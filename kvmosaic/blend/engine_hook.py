@@ -19,7 +19,7 @@ import torch
 from ..cache.segments import segment_seed
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
-from .blender import BlendOptions, Blender
+from .blender import Blender, BlendOptions
 from .store import SegmentKVStore
 
 

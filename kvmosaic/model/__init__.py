@@ -9,7 +9,6 @@ from .config import DTYPES, ModelConfig
 from .llama import LlamaForCausalLM
 from .loader import LoadedWeights, load_weights, shipped_model_path
 from .packed_linear import packing_supported
-
 from .tokenizer import load_tokenizer
 
 __all__ = [

@@ -26,7 +26,7 @@ class ModelConfig:
     eos_token_id: int | None = None
 
     @classmethod
-    def from_hf_dict(cls, cfg: dict) -> "ModelConfig":
+    def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         if cfg.get("rope_scaling"):
             raise ValueError(f"rope_scaling {cfg['rope_scaling']!r} is not supported yet")
         heads = cfg["num_attention_heads"]

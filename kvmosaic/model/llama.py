@@ -8,14 +8,12 @@ in float32), so float32 logits match transformers on the same weights.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
-
 
 
 class RMSNorm(nn.Module):
