@@ -1,4 +1,6 @@
-"""``kvmosaic bench WORKLOAD [--peers ...] [--quick] [--seed N] [--out results/]``.
+"""``kvmosaic bench WORKLOAD [--peers ...] [--quick] [--seed N] [--out results/]``, and
+``kvmosaic bench serve [--concurrency 1,4,16,32] [--rate R]``: the serving benchmark of
+:mod:`.serving` (HTTP servers driven by openai clients).
 
 Runs the workloads of docs/ARCHITECTURE.md on kvmosaic and its peers (each in its own worker process,
 loaded once, requests interleaved), prints a markdown table and writes it, a JSON dump of every
@@ -26,9 +28,13 @@ from .workloads import BUILDERS, build
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("workload", choices=[*BUILDERS, "all"], help="a benchmark workload (docs/ARCHITECTURE.md), or all")
-    p.add_argument("--peers", default=",".join(DEFAULT_PEERS),
-                   help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all)")
+    from .serving import SERVE_PEERS, add_serve_arguments
+
+    p.add_argument("workload", choices=[*BUILDERS, "all", "serve"],
+                   help="a benchmark workload (docs/ARCHITECTURE.md), all, or serve (the serving benchmark)")
+    p.add_argument("--peers", default=None,
+                   help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all); "
+                        f"for serve: {', '.join(SERVE_PEERS)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--seed", type=int, default=0, help="fixes every prompt of every workload")
     p.add_argument("--out", default="results", help="folder for bench.md, bench.json and the plots")
@@ -38,6 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reference", default="kvmosaic-hash", help="kvmosaic peer the ratios are taken against")
     p.add_argument("--benchmarks-md", default=None, metavar="PATH",
                    help="also write the table and plots into this file's issue-5 section (plots to docs/bench/)")
+    add_serve_arguments(p)
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -74,6 +81,12 @@ def start_peers(names: list[str], settings: PeerSettings, skipped: list[str]) ->
 
 
 def run(args: argparse.Namespace) -> int:
+    args.peers_given = args.peers is not None
+    if args.workload == "serve":
+        from .serving import run as run_serve
+
+        return run_serve(args)
+    args.peers = args.peers or ",".join(DEFAULT_PEERS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skipped: list[str] = []
