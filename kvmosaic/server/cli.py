@@ -33,6 +33,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--kv-cache-memory", type=memory_size, default=memory_size("1G"), help="KV pool size, e.g. 1G")
     e.add_argument("--num-kv-blocks", type=int, default=None, help="overrides --kv-cache-memory")
+    e.add_argument("--kv-tier", action="append", default=None, metavar="SPEC", dest="kv_tiers",
+                   help="a storage tier below the pool, fastest first (repeatable): host:4GiB, "
+                        "disk:/var/cache/kvmosaic:20GiB, redis://127.0.0.1:6379 (see kvmosaic/tiers/spec.py)")
+    e.add_argument("--kv-tier-load-timeout", type=float, default=2.0, metavar="S",
+                   help="a tier load slower than S seconds is a miss (those tokens are computed)")
     e.add_argument("--max-model-len", type=int, default=None)
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -126,7 +131,8 @@ def run(args: argparse.Namespace) -> int:
         scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
         enable_kv_events=args.kv_events_endpoint is not None, segment_reuse=args.segment_reuse,
         blend_ratio=args.blend_ratio, blend_threshold=args.blend_threshold,
-        blend_check_layer=args.blend_check_layer, segment_separator=args.segment_separator)
+        blend_check_layer=args.blend_check_layer, segment_separator=args.segment_separator,
+        kv_tiers=args.kv_tiers, kv_tier_load_timeout=args.kv_tier_load_timeout)
     print(f"loading {args.model or 'the shipped model'} ({args.dtype}) ...", flush=True)
     engine = LLMEngine(config)
     model_name = args.served_model_name or engine.model_name

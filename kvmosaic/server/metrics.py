@@ -16,6 +16,12 @@ A dashboard built for vLLM carries over by replacing the prefix:
 ``kvmosaic:e2e_request_latency_seconds``               histogram
 =====================================================  =======================================
 
+storage tiers (``kv_tiers``), labelled ``tier`` and ``medium``: ``kvmosaic:kv_tier_queries_total``,
+``_hits_total`` (tokens supplied), ``_lookup_hits_total``, ``_bytes_stored_total``,
+``_bytes_loaded_total``, ``_evictions_total``, ``_corrupt_entries_total``, ``_errors_total``,
+``_late_loads_total``, gauges ``kvmosaic:kv_tier_used_bytes`` / ``_capacity_bytes`` / ``_up`` (Redis
+state) and the histogram ``kvmosaic:kv_tier_load_latency_seconds``;
+
 and our own: ``kvmosaic:kv_cache_num_blocks``, ``kvmosaic:kv_cache_free_blocks`` (free or
 evictable), ``kvmosaic:kv_cache_cached_blocks`` (indexed), ``kvmosaic:kv_cache_evictions_total`` (both
 backends) and ``kvmosaic:kv_events_dropped_total``. Counters and gauges are read at scrape
@@ -28,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from ..engine.llm_engine import EngineStats
@@ -72,6 +78,53 @@ class EngineCollector(Collector):
                     st.num_cached_blocks)
         yield counter("kv_events_dropped", "Cache events dropped before publishing (a subscriber sees a gap).",
                       st.num_events_dropped)
+        yield from tier_metrics(getattr(st, "kv_tiers", None) or {}, self.model_name)
+
+
+#: Storage-tier counters (``EngineStats.kv_tiers``), labelled ``tier`` (its name) and ``medium``.
+_TIER_COUNTERS = (
+    ("kv_tier_queries", "queries", "Blocks looked up in the tier."),
+    ("kv_tier_hits", "hit_tokens", "Prompt tokens the tier supplied to requests."),
+    ("kv_tier_lookup_hits", "hits", "Blocks a lookup found in the tier."),
+    ("kv_tier_bytes_stored", "bytes_stored", "Bytes written to the tier."),
+    ("kv_tier_bytes_loaded", "bytes_loaded", "Bytes read from the tier."),
+    ("kv_tier_evictions", "evictions", "Entries the tier evicted to stay in its bound."),
+    ("kv_tier_corrupt_entries", "corrupt", "Entries that failed a check (dropped, counted as misses)."),
+    ("kv_tier_errors", "errors", "I/O or connection errors (each a miss)."),
+    ("kv_tier_late_loads", "late_loads", "Loads past their deadline (the tokens were computed)."),
+)
+
+
+def tier_metrics(tiers_stats: dict, model_name: str) -> Iterator[Metric]:
+    """``kvmosaic:kv_tier_*{tier=...}``: counters, used/capacity bytes, state (1 up, 0 down) and
+    the load latency histogram, per storage tier."""
+    from ..tiers.stats import LATENCY_BUCKETS as TIER_BUCKETS
+
+    tiers = tiers_stats.get("tiers", {})
+    if not tiers:
+        return
+    names = ["model_name", "tier", "medium"]
+    for metric, key, doc in _TIER_COUNTERS:
+        m = CounterMetricFamily(PREFIX + metric, doc, labels=names)
+        for name, s in tiers.items():
+            m.add_metric([model_name, name, s["medium"]], s.get(key, 0))
+        yield m
+    for metric, key, doc in (("kv_tier_used_bytes", "used_bytes", "Bytes the tier holds."),
+                             ("kv_tier_capacity_bytes", "capacity_bytes", "The tier's bound in bytes (0: none)."),
+                             ("kv_tier_up", "state", "1 when the tier is up, 0 when down (Redis outage).")):
+        m = GaugeMetricFamily(PREFIX + metric, doc, labels=names)
+        for name, s in tiers.items():
+            v = (s["state"] == "up") if key == "state" else (s.get(key) or 0)
+            m.add_metric([model_name, name, s["medium"]], float(v))
+        yield m
+    h = HistogramMetricFamily(PREFIX + "kv_tier_load_latency_seconds", "Latency of a tier get().", labels=names)
+    for name, s in tiers.items():
+        cum, buckets = 0, []
+        for bound, n in zip([*map(str, TIER_BUCKETS), "+Inf"], s["load_latency_buckets"]):
+            cum += n
+            buckets.append((bound, cum))
+        h.add_metric([model_name, name, s["medium"]], buckets, s["load_latency_sum"])
+    yield h
 
 
 class ServerMetrics:
