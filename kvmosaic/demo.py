@@ -30,7 +30,7 @@ QUESTIONS = [
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or safetensors folder (default: shipped)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--prefix-cache", default="hash", choices=["hash", "radix", "none"])
     p.add_argument("--max-tokens", type=int, default=48)
 
@@ -38,7 +38,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
 def run_demo(args: argparse.Namespace) -> int:
     llm = LLM(model=args.model, dtype=args.dtype, prefix_cache=args.prefix_cache)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    print(f"model {llm.engine.model_name}, {args.dtype}, prefix cache: {args.prefix_cache}, "
+    print(f"model {llm.engine.model_name}, {llm.engine.config.dtype}, prefix cache: {args.prefix_cache}, "
           f"KV {llm.engine.kv.bytes_per_token} bytes/token, {llm.engine.pool.num_blocks} blocks")
     for q in QUESTIONS:
         out = llm.chat([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": q}], params)[0]

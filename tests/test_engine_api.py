@@ -148,3 +148,15 @@ def test_a_request_the_pool_cannot_hold_ends_with_length():
     st = llm.get_stats()
     assert st.num_preemptions > 0 and st.kv_cache_usage == 0 and not llm.engine.requests
     llm.engine.pool.check_invariants()
+
+
+def test_dtype_auto_picks_what_the_hardware_computes_natively():
+    import torch
+
+    from kvmosaic.engine.config import EngineConfig, auto_dtype
+
+    assert auto_dtype(torch.device("cuda")) == "bfloat16"
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert auto_dtype(torch.device("cpu")) == ("bfloat16" if native else "float32")
+    assert EngineConfig(device="cpu").dtype == auto_dtype(torch.device("cpu"))
+    assert EngineConfig(device="cpu", dtype="bfloat16").dtype == "bfloat16"

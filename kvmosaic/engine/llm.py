@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence as Seq
 
 from tqdm.auto import tqdm
@@ -10,12 +11,22 @@ from .config import EngineConfig
 from .llm_engine import EngineStats, LLMEngine, PromptInput, RequestOutput
 from .sampling_params import SamplingParams
 
+log = logging.getLogger("kvmosaic")
+
 
 class LLM:
     """``LLM()`` loads the shipped model; every :class:`EngineConfig` field is a keyword."""
 
     def __init__(self, model: str | None = None, **kwargs) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **kwargs))
+        config = EngineConfig(model=model, **kwargs)
+        if kwargs.get("dtype", "auto") == "auto":
+            log.info("dtype auto: %s on %s", config.dtype, config.torch_device)
+        self.engine = LLMEngine(config)
+
+    @property
+    def dtype(self) -> str:
+        """The KV and compute dtype in use (what ``dtype="auto"`` chose)."""
+        return self.engine.config.dtype
 
     @property
     def tokenizer(self):

@@ -27,7 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e = p.add_argument_group("engine")
     e.add_argument("--model", default=None, help="GGUF file or safetensors folder (default: the shipped model)")
     e.add_argument("--served-model-name", default=None, help="name clients use (default: the model's)")
-    e.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 where the hardware computes it natively, else float32")
     e.add_argument("--device", default="auto")
     e.add_argument("--prefix-cache", default="hash", choices=PREFIX_CACHES)
     e.add_argument("--block-size", type=int, default=16)
@@ -133,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
         blend_ratio=args.blend_ratio, blend_threshold=args.blend_threshold,
         blend_check_layer=args.blend_check_layer, segment_separator=args.segment_separator,
         kv_tiers=args.kv_tiers, kv_tier_load_timeout=args.kv_tier_load_timeout)
-    print(f"loading {args.model or 'the shipped model'} ({args.dtype}) ...", flush=True)
+    print(f"loading {args.model or 'the shipped model'} ({config.dtype}"
+          f"{', chosen by --dtype auto' if args.dtype == 'auto' else ''}) ...", flush=True)
     engine = LLMEngine(config)
     model_name = args.served_model_name or engine.model_name
     publisher = None
