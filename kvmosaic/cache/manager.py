@@ -133,6 +133,8 @@ class KVCacheManager(ABC):
     share: block tables, the request's hash chain (both name full blocks by it, so both
     emit the same cache events through the pool), copy-on-write and the query counters."""
 
+    enable_caching = True  # False: the no-cache baseline (nothing is matched or indexed)
+
     def __init__(self, pool: BlockPool, seed: BlockHash, hash_fn: HashFn) -> None:
         self.pool = pool
         self.seed = seed

@@ -9,6 +9,12 @@ Each step spends a token budget (``max_num_batched_tokens``):
 2. then waiting sequences are admitted while budget, sequence slots and blocks last, each
    starting after its cached prefix. New prefills thus join running decodes.
 
+One computation per shared prefix in flight: a waiting sequence whose next uncached block is
+being computed right now by another sequence (running, or admitted earlier in this step) is
+passed over until that block is committed, then hits it instead of computing it again — a
+burst of requests sharing a system prompt computes it once. It waits only while the other
+sequence's prefill goes on, so nobody starves (tests: test_scheduler_inflight.py).
+
 A sequence's KV for the scheduled tokens is written by the model runner; only after that
 does :meth:`Scheduler.update` advance progress and let the cache index the new blocks.
 """
@@ -114,28 +120,57 @@ class Scheduler:
         if out.preempted or out.out_of_memory:
             return out
         self._order_waiting()
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+        inflight = self._inflight_blocks() if self.kv.enable_caching else None
+        for seq in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+                break
             match = self.kv.match_prefix(seq)
+            if inflight and self._next_block_in_flight(seq, match, inflight):
+                continue  # another sequence is computing it: hit it at a later step
             payloads = self._tier_payloads(seq, match) if match.tier_hits and self.tiers is not None else []
             if payloads is None:  # loading in the background: the others go on
-                self.waiting.popleft()
+                self._leave_queue(seq)
                 continue
             cached = match.num_tokens + len(payloads) * self.kv.block_size
             n = min(seq.num_tokens - cached, budget)
             if self.kv.allocate_slots(seq, cached + n, match) is None:
                 if not self.running:  # the whole pool is free for it and still too small
-                    self.waiting.popleft()
+                    self._leave_queue(seq)
                     self._drop(seq, out)
                     continue
                 break
-            self.waiting.popleft()
+            self._leave_queue(seq)
             if payloads:
                 self._write_loaded(seq, match, payloads)
             self._admit(seq, match, cached)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+            if inflight is not None:
+                inflight.update(self._uncommitted_blocks(seq))
         return out
+
+    def _leave_queue(self, seq: Sequence) -> None:
+        if self.waiting[0] is seq:
+            self.waiting.popleft()
+        else:
+            self.waiting.remove(seq)
+
+    # ---- one computation per shared prefix ----------------------------------------------
+    def _uncommitted_blocks(self, seq: Sequence) -> list:
+        """Chain hashes of the prompt's full blocks that ``seq`` has still to compute."""
+        hashes = self.kv.hasher(seq).update(seq.prompt_token_ids)
+        return hashes[seq.num_computed_tokens // self.kv.block_size :]
+
+    def _inflight_blocks(self) -> set:
+        return {h for s in self.running if s.num_computed_tokens < s.num_prompt_tokens
+                for h in self._uncommitted_blocks(s)}
+
+    def _next_block_in_flight(self, seq: Sequence, match: MatchResult, inflight: set) -> bool:
+        i = match.num_tokens // self.kv.block_size
+        if i >= (seq.num_tokens - 1) // self.kv.block_size:  # nothing more it could hit
+            return False
+        hashes = self.kv.hasher(seq).update(seq.all_token_ids)
+        return i < len(hashes) and hashes[i] in inflight
 
     # ---- storage tiers -------------------------------------------------------------------
     def _tier_payloads(self, seq: Sequence, match: MatchResult) -> list[bytes] | None:
