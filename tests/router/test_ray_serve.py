@@ -1,11 +1,22 @@
-"""One real-Ray test: 2 engine replicas (one thread each) behind the cache-aware router.
+"""Real Ray: 2 engine replicas (one thread each) behind the cache-aware router, one Serve app
+shared by the module's tests.
 
-Requests of two tenants go to the replica that holds their prefix; outputs equal a single
-engine's; the router's index equals the replicas' pools afterwards.
+* tenant A several times in a row, then tenant B: each tenant's requests all go to one replica
+  (the header ``x-kvmosaic-replica`` names it), the second request on is a prefix hit, the
+  router counts them as cache hits and predicts exactly the cached tokens the replicas report
+  (this fails when the ingress cannot see the router: its /metrics then read 0 / 0);
+* outputs equal a single engine's (greedy, float32);
+* the router's index equals what each replica's pool holds, after the workload;
+* (slow) a replica's process killed mid-run: every request is answered (the ingress retries on
+  the other replica), and the dead replica leaves no index entry behind.
 """
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import threading
 import time
 
 import httpx
@@ -14,7 +25,9 @@ import pytest
 ray = pytest.importorskip("ray")
 serve = pytest.importorskip("ray.serve")
 
-SYSTEM = {"a": "You are a terse assistant for tenant A. " * 12, "b": "You answer as a pirate for tenant B. " * 12}
+SYSTEM = {"a": "You are a terse assistant for tenant A. Keep answers short and plain. " * 6,
+          "b": "You answer as a pirate for tenant B, with nautical words in every line. " * 6}
+NUM_KV_BLOCKS = 256
 
 
 @pytest.fixture(scope="module")
@@ -24,53 +37,125 @@ def cluster():
 
     port = free_port()
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(2, "cache-aware", {"num_kv_blocks": 256, "dtype": "float32"}), name="kvmosaic",
-              route_prefix="/")
     try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        serve.run(build_app(2, "cache-aware", {"num_kv_blocks": NUM_KV_BLOCKS, "dtype": "float32"}),
+                  name="kvmosaic", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:
         serve.shutdown()
         ray.shutdown()
 
 
-def ask(url: str, tenant: str, q: str) -> httpx.Response:
-    body = {"messages": [{"role": "system", "content": SYSTEM[tenant]}, {"role": "user", "content": q}],
-            "max_tokens": 8, "temperature": 0}
-    return httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+def body(tenant: str, q: str, max_tokens: int = 8) -> dict:
+    return {"messages": [{"role": "system", "content": SYSTEM[tenant]}, {"role": "user", "content": q}],
+            "max_tokens": max_tokens, "temperature": 0}
 
 
-def test_tenants_follow_their_prefix_and_outputs_match(cluster):
-    first = {t: ask(cluster, t, "Hello?") for t in ("a", "b")}
-    time.sleep(1.0)  # events reach the router
-    served, texts = {}, {}
-    for i in range(3):
-        for t in ("a", "b"):
-            r = ask(cluster, t, f"Question {i}?")
-            assert r.status_code == 200, r.text
-            served.setdefault(t, set()).add(r.headers["x-kvmosaic-replica"])
-            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
-            texts[(t, i)] = r.json()["choices"][0]["message"]["content"]
-    for t in ("a", "b"):
-        assert served[t] == {first[t].headers["x-kvmosaic-replica"]}
-    # outputs equal a single engine's
+def ask(url: str, tenant: str, q: str, max_tokens: int = 8) -> httpx.Response:
+    r = httpx.post(url + "/v1/chat/completions", json=body(tenant, q, max_tokens), timeout=300)
+    assert r.status_code == 200, r.text
+    return r
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    for m in re.finditer(rf"^{name}(?:{{([^}}]*)}})? ([0-9.e+-]+)$", text, re.MULTILINE):
+        got = dict(re.findall(r'(\w+)="([^"]*)"', m.group(1) or ""))
+        if all(got.get(k) == v for k, v in labels.items()):
+            return float(m.group(2))
+    return 0.0
+
+
+def router_state(url: str, pools: bool = False) -> dict:
+    return httpx.get(url + "/router/state", params={"pools": pools}, timeout=60).json()
+
+
+def cached(r: httpx.Response) -> int:
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def test_tenants_stick_to_their_prefix_and_router_predicts_exactly(cluster):
+    questions = [f"Question {i}?" for i in range(3)]
+    out = {t: [ask(cluster, t, q) for q in questions] for t in ("a", "b")}  # A, A, A, then B, B, B
+    where = {t: {r.headers["x-kvmosaic-replica"] for r in rs} for t, rs in out.items()}
+    assert len(where["a"]) == 1 and len(where["b"]) == 1, where
+    assert where["a"] != where["b"], "B's prefix went where A's was, with an empty replica beside it"
+    for t, rs in out.items():
+        assert cached(rs[0]) == 0
+        assert all(cached(r) > 0 for r in rs[1:]), (t, [cached(r) for r in rs])
+
+    text = httpx.get(cluster + "/metrics", timeout=30).text
+    assert metric(text, "kvmosaic_router_decisions_total", policy="cache-aware", reason="cache_hit") >= 4, text
+    assert metric(text, "kvmosaic_router_decisions_total", reason="fallback") == 0, text
+    predicted = metric(text, "kvmosaic_router_predicted_cached_tokens_total")
+    reported = metric(text, "kvmosaic_router_reported_cached_tokens_total")
+    assert reported == sum(cached(r) for rs in out.values() for r in rs) > 0
+    assert abs(predicted - reported) <= 0.05 * reported, (predicted, reported)
+
+    # outputs equal a single engine's (same token ids as the server prefills, greedy, float32)
     from kvmosaic.engine.config import EngineConfig
     from kvmosaic.engine.llm_engine import LLMEngine
     from kvmosaic.engine.sampling_params import SamplingParams
+    from kvmosaic.router.prompt_hashes import prompt_token_ids
 
-    eng = LLMEngine(EngineConfig(num_kv_blocks=256, dtype="float32", num_threads=1))
-    tok = eng.tokenizer
-    for (t, i), text in texts.items():
-        msgs = [{"role": "system", "content": SYSTEM[t]}, {"role": "user", "content": f"Question {i}?"}]
-        prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
-        seq = eng.add_request(prompt, SamplingParams(max_tokens=8, temperature=0))
-        outs = []
-        while eng.has_unfinished_requests():
-            outs += [o for o in eng.step() if o.finished]
-        assert outs[-1].text == text, (seq, t, i)
-    # the router's index equals the replicas' pools
-    from kvmosaic.serve import request_router  # noqa: F401 (the router lives in the ingress process)
+    eng = LLMEngine(EngineConfig(num_kv_blocks=NUM_KV_BLOCKS, dtype="float32", num_threads=1))
+    for t, rs in out.items():
+        for q, r in zip(questions, rs, strict=True):
+            eng.add_request(prompt_token_ids(eng.tokenizer, body(t, q), chat=True),
+                            SamplingParams(max_tokens=8, temperature=0))
+            done = []
+            while eng.has_unfinished_requests():
+                done += [o for o in eng.step() if o.finished]
+            assert done[-1].text == r.json()["choices"][0]["message"]["content"], (t, q)
 
-    handle = serve.get_deployment_handle("EngineReplica", "kvmosaic")
-    pools = [set(handle.pool_hashes.remote().result()) for _ in range(6)]
-    assert any(pools)
+    # the router's index equals what each replica's pool holds (events may be a moment late)
+    deadline = time.monotonic() + 20
+    while True:
+        st = router_state(cluster, pools=True)
+        index = {rid: set(v["index"]) for rid, v in st["replicas"].items()}
+        pools = {rid: set(h) for rid, h in st["pools"].items()}
+        if (index == pools and len(pools) == 2) or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert len(pools) == 2 and all(pools.values()), st["pids"]
+    assert index == pools
+    assert all(v["fresh"] and v["gaps"] == 0 for v in st["replicas"].values())
+
+
+@pytest.mark.slow
+def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
+    ask(cluster, "a", "warm up")  # A's replica is the victim: it holds A's prefix, A's requests go there
+    victim_rid = ask(cluster, "a", "where?").headers["x-kvmosaic-replica"]
+    st = router_state(cluster)
+    victim_pid = st["pids"][victim_rid]
+    assert victim_pid != os.getpid() and st["replicas"][victim_rid]["index"]
+
+    results: list[httpx.Response | Exception] = []
+
+    def client(i: int) -> None:
+        try:
+            results.append(httpx.post(cluster + "/v1/chat/completions", json=body("a", f"Item {i}?", 16), timeout=300))
+        except Exception as e:  # noqa: BLE001 - counted as a lost request
+            results.append(e)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for th in threads:
+        th.start()
+    time.sleep(1.0)  # the requests are on the victim now (prefilling or decoding)
+    os.kill(victim_pid, signal.SIGKILL)
+    for th in threads:
+        th.join(timeout=300)
+    assert len(results) == 4
+    assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in results), results
+    assert all(r.headers["x-kvmosaic-replica"] != victim_rid for r in results if int(r.headers["x-kvmosaic-attempts"]) > 1)
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        st = router_state(cluster)
+        if victim_rid not in st["replicas"] and victim_rid not in st["pids"]:
+            break
+        time.sleep(0.5)
+    assert victim_rid not in st["replicas"], "the dead replica's index entries are still there"
+    assert victim_rid not in st["pids"]
+    r = ask(cluster, "a", "after the kill")  # and the cluster still answers
+    assert r.headers["x-kvmosaic-replica"] != victim_rid
