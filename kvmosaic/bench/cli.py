@@ -30,8 +30,9 @@ from .workloads import BUILDERS, build
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .serving import SERVE_PEERS, add_serve_arguments
 
-    p.add_argument("workload", choices=[*BUILDERS, "all", "serve"],
-                   help="a benchmark workload (docs/ARCHITECTURE.md), all, or serve (the serving benchmark)")
+    p.add_argument("workload", choices=[*BUILDERS, "all", "serve", "batch-16"],
+                   help="a benchmark workload (docs/ARCHITECTURE.md), all, serve (the serving benchmark) or batch-16 "
+                        "(16 shared-prefix prompts submitted together)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all); "
                         f"for serve: {', '.join(SERVE_PEERS)}")
@@ -86,6 +87,10 @@ def run(args: argparse.Namespace) -> int:
         from .serving import run as run_serve
 
         return run_serve(args)
+    if args.workload == "batch-16":
+        from .batch import run as run_batch
+
+        return run_batch(args)
     args.peers = args.peers or ",".join(DEFAULT_PEERS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ __all__ = ["ALL_PEERS", "DEFAULT_PEERS", "Generation", "PeerSettings", "clock", 
            "unavailable_reason"]
 
 KVMOSAIC_CACHES = {"kvmosaic-none": "none", "kvmosaic-hash": "hash", "kvmosaic-radix": "radix"}
-ALL_PEERS = (*KVMOSAIC_CACHES, "transformers", "transformers-prompt-cache", "llama-cpp-ramcache")
+ALL_PEERS = (*KVMOSAIC_CACHES, "transformers", "transformers-prompt-cache", "transformers-cb", "llama-cpp-ramcache")
 DEFAULT_PEERS = ALL_PEERS
 
 
@@ -25,6 +25,8 @@ def unavailable_reason(name: str) -> str | None:
         return f"unknown peer {name!r}; choose from {', '.join(ALL_PEERS)}"
     if name == "kvmosaic-radix" and importlib.util.find_spec("kvmosaic.cache.radix") is None:
         return "kvmosaic-radix skipped: kvmosaic/cache/radix.py does not exist yet (radix backend not landed)"
+    if name == "transformers-cb" and importlib.util.find_spec("transformers.generation.continuous_batching") is None:
+        return "transformers-cb skipped: this transformers has no continuous batching (generate_batch, 5.x)"
     if name == "llama-cpp-ramcache" and importlib.util.find_spec("llama_cpp") is None:
         return ("llama-cpp-ramcache skipped: llama-cpp-python is not installed "
                 "(run scripts/install_llama_cpp.sh, about 4 minutes to compile)")
@@ -49,6 +51,10 @@ def make_peer(name: str, settings: PeerSettings):
         from .peer_kvmosaic import KvmosaicPeer
 
         return KvmosaicPeer(KVMOSAIC_CACHES[name], settings)
+    if name == "transformers-cb":
+        from .peer_transformers_cb import TransformersCBPeer
+
+        return TransformersCBPeer(settings)
     if name.startswith("transformers"):
         from .peer_transformers import TransformersPeer
 

@@ -295,10 +295,14 @@ class ServerPeer:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
             try:
-                r = httpx.get(self.url + "/v1/models", timeout=2)
-                if r.status_code == 200 and r.json().get("data"):
-                    self.model = self.model or r.json()["data"][0]["id"]
-                    return self
+                if self.model:  # transformers serve: /v1/models scans the Hub cache (500 offline); /health
+                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                        return self
+                else:
+                    r = httpx.get(self.url + "/v1/models", timeout=2)
+                    if r.status_code == 200 and r.json().get("data"):
+                        self.model = r.json()["data"][0]["id"]
+                        return self
             except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.5)
@@ -321,6 +325,34 @@ class ServerPeer:
         Path(self.log.name).unlink(missing_ok=True)
 
 
+def export_gguf(gguf: Path) -> Path:
+    """A safetensors folder (config with ``architectures``, tokenizer, chat template) holding the
+    GGUF's weights as transformers loads them; made once, in ``~/.cache/kvmosaic/bench/``."""
+    folder = Path(os.environ.get("KVMOSAIC_BENCH_CACHE", Path.home() / ".cache" / "kvmosaic" / "bench")) / f"hf-{gguf.stem}"
+    if (folder / "model.safetensors").exists():
+        return folder
+    print(f"exporting {gguf.name} to {folder} for transformers serve (once) ...", flush=True)
+    code = f"""
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+m = AutoModelForCausalLM.from_pretrained({str(gguf.parent)!r}, gguf_file={gguf.name!r}, dtype=torch.float32)
+tok = AutoTokenizer.from_pretrained({str(gguf.parent)!r}, gguf_file={gguf.name!r})
+cfg = m.config
+if hasattr(cfg, "quantization_config"):
+    del cfg.quantization_config
+cfg.architectures = [type(m).__name__]
+plain = type(m)(cfg)
+plain.load_state_dict(m.state_dict())
+plain.save_pretrained({str(folder)!r})
+tok.save_pretrained({str(folder)!r})
+"""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"exporting {gguf.name} for transformers serve failed: {done.stderr.strip().splitlines()[-1:]}")
+    return folder
+
+
 def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str | None) -> ServerPeer:
     from kvmosaic.model.loader import shipped_model_path
 
@@ -333,12 +365,16 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
         return ServerPeer(name, argv, {"ignore_eos": True}, usage_option=True, kvmosaic=True)
     if name == "transformers-serve":
         exe = str(Path(sys.executable).with_name("transformers"))
-        # A GGUF is named <repo>:<file>.gguf; a local folder works as the repo (offline).
-        argv = [exe, "serve", f"{gguf.parent}:{gguf.name}", "--continuous-batching", "--dtype", dtype,
+        # `transformers serve <dir>:<file>.gguf` fails in transformers 5.23 (model_manager._load_model:
+        # `getattr(transformers, config.architectures[0])` -> TypeError: 'NoneType' object is not
+        # subscriptable, a GGUF config has no architectures), so it serves the same weights exported once
+        # (dequantized by transformers' GGUF loader, as it computes them) to a safetensors folder.
+        folder = export_gguf(gguf)
+        argv = [exe, "serve", str(folder), "--continuous-batching", "--dtype", dtype,
                 "--device", "cpu", "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning"]
         # transformers serve refuses stream_options (it always sends usage on the last chunk) and
         # has no ignore_eos: its requests may stop before max_tokens; completion tokens are counted.
-        return ServerPeer(name, argv, {}, usage_option=False, kvmosaic=False)
+        return ServerPeer(name, argv, {}, usage_option=False, kvmosaic=False, model=str(folder))
     if name == "llama-cpp-server":
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
                 "--port", "{port}", "--n_ctx", "4096", "--cache", "true"]
@@ -465,7 +501,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--concurrency", default=None, help="closed-loop levels, e.g. 1,4,16,32 (quick: 1,4)")
     g.add_argument("--rate", type=float, action="append", default=[],
                    help="also run open-loop Poisson arrivals at this many requests/s (repeatable)")
-    g.add_argument("--requests", type=int, default=None, help="requests per level (default 32, quick 4; at least 2 x concurrency)")
+    g.add_argument("--requests", type=int, default=None, help="requests per level (default 32, quick 4; at least the concurrency)")
     g.add_argument("--serve-workloads", default=",".join(SERVE_WORKLOADS), help=f"from: {', '.join(SERVE_WORKLOADS)}")
     g.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 32, quick 8)")
 
@@ -511,7 +547,7 @@ def run(args: argparse.Namespace) -> int:
     plan = []  # (workload, mode, level, messages, prompt token estimates)
     for wl in workloads:
         for mode, level in levels:
-            n = max(sizes.requests, 2 * int(level)) if mode == "closed" else max(sizes.requests, 8)
+            n = max(sizes.requests, int(level)) if mode == "closed" else max(sizes.requests, 8)
             convs = serve_requests(wl, n, sizes, args.seed, f"{mode}-{level:g}")
             lens = [prompt_tokens(tokenizer, c) for c in convs]
             plan.append((wl, mode, level, convs, lens))
@@ -553,7 +589,7 @@ def run(args: argparse.Namespace) -> int:
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
         "requests": (f"chat, {sizes.max_tokens} output tokens (greedy; kvmosaic and llama.cpp ignore EOS), "
                      f"first workload's prompt {prompt_example} tokens, {sizes.requests} requests per level "
-                     f"(at least 2 x concurrency), a fresh system prompt per level"),
+                     f"(at least the concurrency), a fresh system prompt per level"),
         "reference for ratios": reference,
         "wall time": f"{time.time() - started:.0f} s ("
                      + ", ".join(f"{n} {t:.0f} s" for n, t in peer_times.items()) + ", server start included)",

@@ -1,7 +1,8 @@
 """Each peer lives in its own worker process (same process tree): its memory is its own, and
 the coordinator sends it one request at a time, so peers never run at the same moment.
 
-Protocol over a pipe: ``("generate", ids, max_tokens)``, ``("reset",)``, ``("peak",)`` (peak
+Protocol over a pipe: ``("generate", ids, max_tokens)``, ``("generate_many", [ids, ...], max_tokens)``
+(peers with ``generate_many``: all submitted together), ``("reset",)``, ``("peak",)`` (peak
 RSS over the pre-load baseline since the last ``reset``), ``("stop",)``. Replies are
 ``("ok", value)`` or ``("error", traceback)``.
 """
@@ -36,6 +37,11 @@ def serve(name: str, settings: PeerSettings, conn) -> None:
                     gen = peer.generate(msg[1], msg[2])
                 peak = max(peak, mem.peak - baseline)
                 conn.send(("ok", asdict(gen)))
+            elif msg[0] == "generate_many":
+                with PeakRSS() as mem:
+                    gens = peer.generate_many(msg[1], msg[2])
+                peak = max(peak, mem.peak - baseline)
+                conn.send(("ok", {"generations": [asdict(g) for g in gens], "steps": getattr(peer, "steps", None)}))
             elif msg[0] == "reset":
                 peer.reset()
                 peak = 0
@@ -73,6 +79,12 @@ class PeerProcess:
     def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
         self.conn.send(("generate", list(prompt_ids), max_tokens))
         return Generation(**self._reply())
+
+    def generate_many(self, prompts: list[list[int]], max_tokens: int) -> tuple[list[Generation], list[dict] | None]:
+        """All ``prompts`` submitted together; also the peer's per-step log when it keeps one."""
+        self.conn.send(("generate_many", [list(p) for p in prompts], max_tokens))
+        reply = self._reply()
+        return [Generation(**g) for g in reply["generations"]], reply["steps"]
 
     def reset(self) -> None:
         self.conn.send(("reset",))
