@@ -127,7 +127,8 @@ class OpenAIIngress:
                               "stale": view.stale, "next_seq": view.next_seq,
                               "index": sorted(h.hex() for h in view.blocks.parent)}
                         for rid, view in router.index.replicas.items()}
-        out = {"router": router.policy_name, "replicas": replicas, "pids": dict(router.pids)}
+        out = {"router": router.policy_name, "replicas": replicas, "pids": dict(router.pids),
+               "inflight": dict(router.inflight_requests)}
         if pools:
             out["pools"] = {}
             for rid in list(router.pids):

@@ -3,9 +3,10 @@
 Ray Serve calls ``choose_replicas`` for each request with the live replicas; each replica's
 ``routing_stats`` (from ``EngineReplica.record_routing_stats``) give its event endpoints,
 model facts and pid; load is counted here, from the requests this router sent and the
-ingress has not yet seen answered (``finished``), as stats arrive up to a period late. The router follows every replica's events into its ``ClusterIndex``
-(``EventFollower``), forgets replicas Ray Serve removed or saw die, and returns the policy's
-choice first, then the other replicas by load (Ray Serve tries them in order if one is full).
+ingress has not yet seen answered (``finished``), as stats arrive up to a period late.
+The router follows every replica's events into its ``ClusterIndex`` (``EventFollower``),
+forgets replicas Ray Serve removed or saw die, and returns the policy's choice first, then the
+other replicas by load (Ray Serve tries them in order if one is full).
 
 Invariants: a decision never raises for missing stats or events (it degrades to least-loaded,
 reason ``fallback``); the router registers itself in ``kvmosaic.serve.state`` under its
