@@ -1,0 +1,93 @@
+"""``kvmosaic bench serve``: its statistics and report (fast), and one tiny run against a real
+``kvmosaic serve`` (slow: it starts a server)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvmosaic.bench import serving
+from kvmosaic.bench.serving import LevelResult, RequestResult, inter_token_gaps, percentile, summarize_level
+
+
+def test_percentiles_and_inter_token_gaps():
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
+    assert percentile(list(range(101)), 99) == pytest.approx(99.0)
+    # the first chunk is TTFT, not a gap
+    assert inter_token_gaps([0.5, 0.6, 0.8, 1.1]) == pytest.approx([0.1, 0.2, 0.3])
+    assert inter_token_gaps([0.5]) == []
+    assert inter_token_gaps([]) == []
+
+
+def _result(ttft: float, gaps: list[float], prompt=100, completion=4, cached=64) -> RequestResult:
+    times = [ttft]
+    for g in gaps:
+        times.append(times[-1] + g)
+    return RequestResult(ok=True, start=0.0, ttft=ttft, e2e=times[-1], chunk_times=times, prompt_tokens=prompt,
+                         completion_tokens=completion, cached_tokens=cached)
+
+
+def test_summarize_level_pools_gaps_and_counts_tokens():
+    res = [_result(0.1, [0.01, 0.02, 0.03]), _result(0.3, [0.05, 0.05, 0.05], cached=0),
+           RequestResult(ok=False, start=0.0, error="APIConnectionError: refused")]
+    row = summarize_level("kvmosaic-hash", "shared-prefix", "closed", 4, res, wall_s=2.0,
+                          pool={"blocks_used_peak": 12, "num_blocks": 100, "pool_util": 0.8})
+    assert (row.requests, row.failed) == (2, 1)
+    assert row.ttft_p50 == pytest.approx(0.2)
+    assert row.itl_p50 == pytest.approx(0.04)  # median of 0.01 0.02 0.03 0.05 0.05 0.05
+    assert row.itl_p99 == pytest.approx(0.05)
+    assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (200, 8, 64)
+    assert row.output_tps == pytest.approx(4.0) and row.total_tps == pytest.approx(104.0)
+    assert row.errors == ["APIConnectionError: refused"] and row.blocks_used_peak == 12
+
+
+def _row(peer: str, level: int, tps: float) -> LevelResult:
+    return LevelResult(peer=peer, workload="shared-prefix", mode="closed", level=level, requests=4, failed=0, wall_s=1.0,
+                       prompt_tokens=400, completion_tokens=32, cached_tokens=300, ttft_p50=0.25, ttft_p99=1.5,
+                       itl_p50=0.02, itl_p99=0.1, output_tps=32.0, total_tps=tps)
+
+
+def test_report_table_has_every_row_and_the_ratio_to_the_best_peer():
+    rows = [_row("kvmosaic-hash", 1, 300.0), _row("kvmosaic-none", 1, 100.0), _row("transformers-serve", 1, 150.0),
+            _row("kvmosaic-hash", 4, 600.0)]
+    md = serving.render(rows, {"command": "`kvmosaic bench serve`"}, ["llama-cpp-server skipped: not installed"], ["a.png"])
+    lines = [ln for ln in md.splitlines() if ln.startswith("| shared-prefix")]
+    assert len(lines) == 4
+    hash1 = next(ln for ln in lines if "kvmosaic-hash | c=1 |" in ln)
+    assert "| 250 | 1,500 | 20 | 100 |" in hash1  # TTFT p50/p99, ITL p50/p99 in ms
+    assert hash1.rstrip().endswith("| 2.00x |")  # 300 / the best other peer's 150
+    assert "| 300 (75%) |" in hash1  # cached tokens and their share
+    assert next(ln for ln in lines if "c=4" in ln).rstrip().endswith("| – |")  # no peer at that level
+    assert "- skipped: llama-cpp-server skipped" in md and "![a.png](a.png)" in md
+    assert "kv.num_used_slots" in md  # the /health field the exact pool utilisation needs
+
+
+def test_workloads_share_a_prefix_only_within_one_level():
+    sizes = serving.QUICK
+    a = serving.serve_requests("shared-prefix", 3, sizes, 0, "closed-1")
+    b = serving.serve_requests("shared-prefix", 3, sizes, 0, "closed-4")
+    assert a[0][0] == a[1][0] == a[2][0] and a[0][1] != a[1][1]
+    assert a[0][0] != b[0][0]  # a fresh system prompt per level: no hits carried over
+    n = serving.serve_requests("no-reuse", 3, sizes, 0, "closed-1")
+    assert len({m[0]["content"][:30] for m in n}) == 3
+    with pytest.raises(ValueError):
+        serving.serve_requests("nope", 1, sizes, 0, "x")
+
+
+@pytest.mark.slow
+def test_bench_serve_tiny_run_against_one_kvmosaic_server(tmp_path):
+    from kvmosaic.cli import main
+
+    rc = main(["bench", "serve", "--quick", "--peers", "kvmosaic-hash", "--serve-workloads", "shared-prefix",
+               "--concurrency", "2", "--requests", "2", "--max-tokens", "3", "--dtype", "float32", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "serve.json").read_text())
+    (row,) = data["rows"]
+    assert row["peer"] == "kvmosaic-hash" and row["requests"] == 2 and row["failed"] == 0
+    assert row["completion_tokens"] == 6 and row["ttft_p50"] > 0 and row["total_tps"] > 0
+    assert row["num_blocks"] and row["blocks_used_peak"] >= 1
+    assert "| shared-prefix | kvmosaic-hash | c=2 |" in (tmp_path / "serve.md").read_text()
+    for png in ("serve_throughput.png", "serve_ttft.png"):
+        assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
