@@ -13,7 +13,7 @@ import sys
 COMMANDS = {
     "demo": ("kvmosaic.demo", "requests sharing a long system prompt: answers, cached tokens, TTFT"),
     "generate": ("kvmosaic.demo", "generate from one prompt"),
-    "serve": ("kvmosaic.server.cli", "OpenAI-compatible HTTP server"),
+    "serve": ("kvmosaic.serve.cli", "OpenAI-compatible HTTP server (--replicas N: on Ray Serve)"),
     "bench": ("kvmosaic.bench.cli", "benchmarks against peers, with plots"),
     "explain": ("kvmosaic.explain", "where and why two prompts (or a prompt and a cache) diverge"),
     "audit": ("kvmosaic.audit", "probe a live server for cross-tenant cache leaks (TTFT AUC, KS, cached_tokens)"),

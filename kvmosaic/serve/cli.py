@@ -1,7 +1,9 @@
-"""``kvmosaic serve --replicas N --router POLICY``: the replicated server on a local Ray.
+"""``kvmosaic serve``: one engine process (``server.cli``), or with ``--replicas N --router
+POLICY`` the replicated server on a local Ray.
 
 Starts a local Ray when none is running (``ray.init`` does), deploys ``app.build_app`` and
-serves the OpenAI API on ``--host``/``--port`` until interrupted, then shuts Serve down.
+serves the OpenAI API on ``--host``/``--port`` until interrupted, then shuts Serve down. This
+package sits above ``server`` (its replicas run the server's app), so the command lives here.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from ..router.policies import POLICIES
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..server.cli import add_arguments as add_server_arguments
+
+    add_server_arguments(p)
     g = p.add_argument_group("replicas (Ray Serve)")
     g.add_argument("--replicas", type=int, default=None, help="run N engine replicas on Ray Serve")
     g.add_argument("--router", default="cache-aware", choices=POLICIES, help="how requests pick a replica")
@@ -28,6 +33,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.replicas:
+        from ..server.cli import run as run_single
+
+        return run_single(args)
+    return run_replicas(args)
+
+
+def run_replicas(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
@@ -52,10 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..server.cli import add_arguments as server_arguments
-
     p = argparse.ArgumentParser(prog="python -m kvmosaic.serve")
-    server_arguments(p)  # includes this module's options
+    add_arguments(p)
     args = p.parse_args(argv)
     args.replicas = args.replicas or 2
-    return run(args)
+    return run_replicas(args)

@@ -87,9 +87,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared-public: texts (separated by '---' lines) or 'sha256:<hex>' chain hashes "
                         "whose blocks every tenant may share")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    from ..serve.cli import add_arguments as add_replica_arguments  # torch- and Ray-free
-
-    add_replica_arguments(p)
 
 
 def banner(url: str, model: str, events: str | None) -> str:
@@ -110,10 +107,6 @@ def banner(url: str, model: str, events: str | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.replicas:
-        from ..serve.cli import run as run_replicas
-
-        return run_replicas(args)
     import uvicorn
 
     from ..engine.llm_engine import LLMEngine
