@@ -39,7 +39,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--seed", type=int, default=0, help="fixes every prompt of every workload")
     p.add_argument("--out", default="results", help="folder for bench.md, bench.json and the plots")
-    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"],
+                   help="default bfloat16; float32 with --quick (bfloat16 is several times slower on CPUs without "
+                        "native bfloat16, and --quick must finish in under a minute)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads per peer (default: all cores)")
     p.add_argument("--model", default=None, help="GGUF file (default: the shipped model)")
     p.add_argument("--reference", default="kvmosaic-hash", help="kvmosaic peer the ratios are taken against")
@@ -83,6 +85,7 @@ def start_peers(names: list[str], settings: PeerSettings, skipped: list[str]) ->
 
 def run(args: argparse.Namespace) -> int:
     args.peers_given = args.peers is not None
+    args.dtype = args.dtype or ("float32" if args.quick else "bfloat16")
     if args.workload == "serve":
         from .serving import run as run_serve
 
