@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvmosaic.bench.replicas")
     p.add_argument("--policies", nargs="+", default=["round-robin", "cache-aware", "least-loaded", "approximate-tree"])
     p.add_argument("--tenants", type=int, default=4)
-    p.add_argument("--requests", type=int, default=32)
+    p.add_argument("--requests", type=int, default=16)
     p.add_argument("--system-tokens", type=int, default=1000, help="about this many tokens per system prompt")
     p.add_argument("--pool-tenants", type=float, default=2.5,
                    help="each replica's pool holds this many tenants' prefixes (default: about half of 4, plus room)")
