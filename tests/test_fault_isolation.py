@@ -1,11 +1,15 @@
 """Issue 14, fast: one bad request never hurts anyone else.
 
 Tiny temperatures are greedy; NaN logits in one row fail that row's request alone; a request
-whose output processing raises fails alone (the rest of the batch finishes with the output it
-would have had alone) and frees its blocks; a failed forward pass fails its batch and the
-engine keeps serving; a draining server answers 503 with Retry-After; a prompt far over the
-context is refused before it is tokenised. The slow suite against a real process is
-tests/test_reliability.py.
+whose output processing, segment reuse (blend) or storage-tier load raises fails alone (the
+rest of the batch finishes with the output it would have had alone) and frees its blocks; a
+failed forward pass fails its batch and the engine keeps serving; a draining server answers 503
+with Retry-After on generation and on the readiness probe ``/health`` while ``/health/live``
+stays 200; a prompt far over the context is refused before it is tokenised. The slow suite
+against a real process is tests/test_reliability.py.
+
+Kept fast (a shared machine): one module engine with one torch thread, short prompts, a few
+tokens per request (the injected output fault fires at the 3rd token, so 5 are enough).
 """
 
 from __future__ import annotations
@@ -34,17 +38,21 @@ POISON = "<<poison>>"
 
 @pytest.fixture(scope="module")
 def engine():
-    return LLMEngine(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=CONTEXT)
+    return LLMEngine(dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=CONTEXT, num_threads=1)
 
 
-def run(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> dict[str, object]:
+def run_all(engine: LLMEngine, prompts: list, params: SamplingParams) -> list:
     ids = [engine.add_request(p, params).request_id for p in prompts]
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-    return {p: final[i] for p, i in zip(prompts, ids)}
+    return [final[i] for i in ids]
+
+
+def run(engine: LLMEngine, prompts: list[str], params: SamplingParams) -> dict[str, object]:
+    return dict(zip(prompts, run_all(engine, prompts, params)))
 
 
 def assert_idle(engine: LLMEngine) -> None:
@@ -82,14 +90,14 @@ def test_validation_rejects_non_finite_temperature():
 
 
 def test_a_tiny_temperature_request_matches_greedy_end_to_end(engine):
-    greedy = run(engine, PROMPTS[:2], SamplingParams(max_tokens=6, temperature=0))
-    tiny = run(engine, PROMPTS[:2], SamplingParams(max_tokens=6, temperature=5e-324))
+    greedy = run(engine, PROMPTS[:2], SamplingParams(max_tokens=4, temperature=0))
+    tiny = run(engine, PROMPTS[:2], SamplingParams(max_tokens=4, temperature=5e-324))
     assert [o.token_ids for o in tiny.values()] == [o.token_ids for o in greedy.values()]
     assert_idle(engine)
 
 
 def test_a_poisoned_request_fails_alone(engine):
-    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
     alone = run(engine, PROMPTS, params)
     engine.outputs.fault_marker = POISON
     try:
@@ -104,7 +112,7 @@ def test_a_poisoned_request_fails_alone(engine):
 
 
 def test_a_failed_forward_pass_fails_its_batch_and_the_engine_recovers(engine, monkeypatch):
-    params = SamplingParams(max_tokens=4, temperature=0)
+    params = SamplingParams(max_tokens=3, temperature=0)
     real = engine.runner.execute
     calls = {"n": 0}
 
@@ -120,6 +128,73 @@ def test_a_failed_forward_pass_fails_its_batch_and_the_engine_recovers(engine, m
     assert_idle(engine)
     again = run(engine, PROMPTS[:2], params)
     assert all(o.finish_reason == "length" for o in again.values())
+    assert_idle(engine)
+
+
+SEGMENTED = {"prompt": "Read the notes.", "segments": ["Note one: the shop opens at nine.",
+                                                    "Note two: it closes at six."], "suffix": " When does it open?"}
+
+
+def test_a_failed_blend_fails_its_request_alone(engine, monkeypatch):
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    alone = run_all(engine, PROMPTS[:2], params)
+
+    def boom(*a, **k):
+        raise RuntimeError("simulated blend fault")
+    monkeypatch.setattr(engine.config, "segment_reuse", "shift")
+    monkeypatch.setattr(engine.segment_reuse.blender, "prefill", boom)
+    first, bad, second = run_all(engine, [PROMPTS[0], SEGMENTED, PROMPTS[1]], params)
+    assert bad.finish_reason == "error" and bad.error_reason == "segment_reuse" and "simulated blend" in bad.error
+    assert [first.token_ids, second.token_ids] == [o.token_ids for o in alone]
+    assert first.finish_reason == second.finish_reason == "length"
+    assert_idle(engine)
+    monkeypatch.undo()  # the engine keeps serving segmented prompts
+    (ok,) = run_all(engine, [SEGMENTED], params)
+    assert ok.finish_reason == "length" and len(ok.token_ids) == 3
+    assert_idle(engine)
+
+
+class FaultyTiers:
+    """A storage tier that holds the victim's blocks and fails to load (``load``) or to write
+    a loaded block into the pool (``write``)."""
+
+    def __init__(self, keys: set, fail: str) -> None:
+        self.keys, self.fail, self.hits = keys, fail, 0
+
+    def lookup(self, hashes):
+        found = [0 if h in self.keys else None for h in hashes]
+        self.hits += sum(f is not None for f in found)
+        return found
+
+    def is_fast(self, tier: int) -> bool:
+        return True
+
+    def load_now(self, keys, tiers, tokens):
+        if self.fail == "load":
+            raise OSError("simulated tier read fault")
+        return [b"payload"] * len(keys)
+
+    def write_block(self, *args):
+        raise ValueError("simulated corrupt tier payload")
+
+    def record_hit(self, *args):
+        pass
+
+
+@pytest.mark.parametrize("fail", ["load", "write"])
+def test_a_failed_tier_load_fails_its_request_alone(engine, monkeypatch, fail):
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    victim = "Tier victim: " + "the quick brown fox jumps over the lazy dog " * 5
+    alone = run_all(engine, PROMPTS[:2], params)
+    engine.reset_prefix_cache()  # the victim's blocks must come from the tier, not the pool
+    tiers = FaultyTiers(set(engine.cache.new_hasher().update(engine.inputs.process(victim, None).prompt_token_ids)), fail)
+    assert tiers.keys
+    monkeypatch.setattr(engine.cache, "tiers", tiers)
+    monkeypatch.setattr(engine.scheduler, "tiers", tiers)
+    first, bad, second = run_all(engine, [PROMPTS[0], victim, PROMPTS[1]], params)
+    assert tiers.hits, "the victim's blocks were found in the tier"
+    assert bad.finish_reason == "error" and bad.error_reason == "tier_load" and "simulated" in bad.error
+    assert [first.token_ids, second.token_ids] == [o.token_ids for o in alone]
     assert_idle(engine)
 
 
@@ -150,7 +225,7 @@ def test_a_poisoned_request_gets_an_error_event_and_others_finish(served, engine
     engine.outputs.fault_marker = POISON
 
     async def both():
-        good = {"prompt": PROMPTS[0], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        good = {"prompt": PROMPTS[0], "max_tokens": 5, "temperature": 0, "ignore_eos": True}
         return await asyncio.gather(
             _post(app, "/v1/completions", {**good, "stream": True}),
             _post(app, "/v1/completions", {**good, "prompt": POISON + " hi", "stream": True}),
@@ -181,7 +256,7 @@ def assert_idle_http(app) -> None:
 
 def test_tiny_temperature_over_http_is_greedy(served):
     app, _, _ = served
-    body = {"prompt": PROMPTS[1], "max_tokens": 5}
+    body = {"prompt": PROMPTS[1], "max_tokens": 3}
     greedy = post(app, "/v1/completions", {**body, "temperature": 0})
     tiny = post(app, "/v1/completions", {**body, "temperature": 1e-300})
     assert tiny.status_code == 200 and tiny.json()["choices"][0]["text"] == greedy.json()["choices"][0]["text"]
@@ -189,13 +264,24 @@ def test_tiny_temperature_over_http_is_greedy(served):
 
 def test_draining_refuses_new_requests_with_503(served):
     app, _, _ = served
+
+    async def probes():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/health"), await c.get("/health/live")
     app.state.drain.draining = True
     try:
         r = post(app, "/v1/completions", {"prompt": "hi", "max_tokens": 2})
+        ready, live = asyncio.run(probes())
     finally:
         app.state.drain.draining = False
     assert r.status_code == 503 and r.headers["retry-after"] == "5"
     assert r.json()["error"]["code"] == "server_shutting_down"
+    # readiness fails (routers and Kubernetes stop sending traffic), liveness stays up (no restart mid-drain)
+    assert ready.status_code == 503 and ready.headers["retry-after"] == "5" and ready.json()["status"] == "draining"
+    assert ready.json()["draining"] is True and "kv" in ready.json()
+    assert live.status_code == 200 and live.json() == {"status": "ok"}
+    ready, live = asyncio.run(probes())
+    assert ready.status_code == 200 and ready.json()["status"] == "ok" and live.status_code == 200
 
 
 def test_an_oversized_prompt_is_refused_before_tokenising(served, engine, monkeypatch):

@@ -58,16 +58,32 @@ class SegmentReuse:
     def run(self, blend: list, cache) -> torch.Tensor:
         """Blend each sequence's prompt; returns their last-token logits ``[len(blend), V]``.
         Sets ``num_new_tokens`` so that the scheduler's update completes the prompt."""
-        opts, rows = self.options(), []
-        for s, _ in blend:
-            seq = s.seq
-            slots = self.kv.slots(cache.block_table(seq.request_id), seq.num_tokens)
-            start = seq.num_computed_tokens
-            res = self.blender.prefill(seq.all_token_ids, seq.segments, slots, start, opts,
-                                       seq.cache_salt, seq.adapter_id)
-            rows.append(res.logits)
-            seq.num_segment_tokens = res.num_segment_tokens
-            seq.cache_limit = max(start, res.exact_until)
-            seq.segments = None
-            s.num_new_tokens = seq.num_tokens - start
-        return torch.cat(rows)
+        opts = self.options()
+        return torch.cat([self._blend_one(s, cache, opts) for s, _ in blend])
+
+    def run_isolated(self, blend: list, cache) -> tuple[torch.Tensor | None, list, list]:
+        """As :meth:`run`, but a failure belongs to its sequence alone (issue 14): returns
+        ``(logits of the sequences that blended, their (scheduled, table) pairs, [(scheduled,
+        exception)] of those that failed)``. A failed sequence's blocks are left uncommitted
+        (its KV may be half written): the engine fails it and frees them."""
+        opts, rows, ok, failed = self.options(), [], [], []
+        for pair in blend:
+            try:
+                rows.append(self._blend_one(pair[0], cache, opts))
+            except Exception as exc:  # noqa: BLE001 - this request's failure, not the batch's
+                failed.append((pair[0], exc))
+            else:
+                ok.append(pair)
+        return (torch.cat(rows) if rows else None), ok, failed
+
+    def _blend_one(self, s, cache, opts: BlendOptions) -> torch.Tensor:
+        seq = s.seq
+        slots = self.kv.slots(cache.block_table(seq.request_id), seq.num_tokens)
+        start = seq.num_computed_tokens
+        res = self.blender.prefill(seq.all_token_ids, seq.segments, slots, start, opts,
+                                   seq.cache_salt, seq.adapter_id)
+        seq.num_segment_tokens = res.num_segment_tokens
+        seq.cache_limit = max(start, res.exact_until)
+        seq.segments = None
+        s.num_new_tokens = seq.num_tokens - start
+        return res.logits

@@ -183,15 +183,19 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         outputs = [self._retire(seq) for seq in sched.out_of_memory]
+        # A storage-tier load that raised fails its request alone (issue 14).
+        outputs += [self._fail(seq, msg, "tier_load") for seq, msg in sched.failed]
         if sched.scheduled:
+            failed: list = []  # (sequence, message, reason): requests whose own part of the step failed
             try:
-                result = self._execute(sched)
+                result = self._execute(sched, failed)
             except Exception as exc:  # the whole step failed: fail its batch, free their blocks
                 logger.exception("the forward pass failed; failing the %d requests of this step",
                                  len(sched.scheduled))
-                return outputs + [self._fail(s.seq, f"engine error in the forward pass: {exc}", "step")
-                                  for s in sched.scheduled]
+                return outputs + [self._fail(*f) for f in failed] + [
+                    self._fail(s.seq, f"engine error in the forward pass: {exc}", "step") for s in sched.scheduled]
             self.scheduler.update(sched)
+            outputs += [self._fail(*f) for f in failed]
             outputs += self._process_samples(result)
         return outputs
 
@@ -203,7 +207,7 @@ class LLMEngine:
         self.requests.pop(seq.request_id, None)
         return self.outputs.make_output(seq, error=message, error_reason=reason)
 
-    def _execute(self, sched: SchedulerOutput) -> StepResult:
+    def _execute(self, sched: SchedulerOutput, failed: list | None = None) -> StepResult:
         copies = self.cache.take_pending_copies()
         if copies:
             self.kv.copy_blocks([(c.src, c.dst, c.num_tokens) for c in copies])
@@ -215,7 +219,19 @@ class LLMEngine:
         result = self.runner.execute(batch) if batch else None
         if not blend:
             return result
-        blended = StepResult(self.segment_reuse.run(blend, self.cache), [s for s, _ in blend])
+        # A blend that raises fails its request alone (issue 14): it leaves the step uncommitted.
+        logits, blend, bad = self.segment_reuse.run_isolated(blend, self.cache)
+        if bad:
+            for s, exc in bad:
+                logger.warning("request %s failed in segment reuse: %s: %s", s.seq.request_id, type(exc).__name__, exc)
+                if failed is None:
+                    raise exc
+                failed.append((s.seq, f"segment reuse failed: {type(exc).__name__}: {exc}", "segment_reuse"))
+            gone = {id(s) for s, _ in bad}
+            sched.scheduled = [s for s in sched.scheduled if id(s) not in gone]
+        if not blend:
+            return result if result is not None else StepResult(torch.empty(0), [])
+        blended = StepResult(logits, [s for s, _ in blend])
         if result is None:
             return blended
         return StepResult(torch.cat((result.logits, blended.logits)), result.sampling + blended.sampling)

@@ -51,10 +51,17 @@ class SchedulerOutput:
     preempted: list[Sequence] = field(default_factory=list)
     # Sequences the whole pool cannot hold any longer: they end with finish reason "length".
     out_of_memory: list[Sequence] = field(default_factory=list)
+    # Sequences whose storage-tier load raised (issue 14): (sequence, message); the engine fails
+    # each alone and frees its blocks.
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
+
+
+def _tier_failure(exc: BaseException) -> str:
+    return f"loading its KV from a storage tier failed: {type(exc).__name__}: {exc}"
 
 
 class Scheduler:
@@ -116,7 +123,7 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 budget -= n
         if self.loading:
-            self._poll_loads(idle=not out.scheduled and not self.waiting)
+            self._poll_loads(idle=not out.scheduled and not self.waiting, failed=out.failed)
         if out.preempted or out.out_of_memory:
             return out
         self._order_waiting()
@@ -127,7 +134,12 @@ class Scheduler:
             match = self.kv.match_prefix(seq)
             if inflight and self._next_block_in_flight(seq, match, inflight):
                 continue  # another sequence is computing it: hit it at a later step
-            payloads = self._tier_payloads(seq, match) if match.tier_hits and self.tiers is not None else []
+            try:
+                payloads = self._tier_payloads(seq, match) if match.tier_hits and self.tiers is not None else []
+            except Exception as exc:  # noqa: BLE001 - a tier load fails this request alone
+                self._leave_queue(seq)
+                out.failed.append((seq, _tier_failure(exc)))
+                continue
             if payloads is None:  # loading in the background: the others go on
                 self._leave_queue(seq)
                 continue
@@ -141,7 +153,12 @@ class Scheduler:
                 break
             self._leave_queue(seq)
             if payloads:
-                self._write_loaded(seq, match, payloads)
+                try:
+                    self._write_loaded(seq, match, payloads)
+                except Exception as exc:  # noqa: BLE001 - its blocks are freed by the engine, uncommitted
+                    seq.tier_payloads = None
+                    out.failed.append((seq, _tier_failure(exc)))
+                    continue
             self._admit(seq, match, cached)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
@@ -196,7 +213,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING_FOR_KV
         return None
 
-    def _poll_loads(self, idle: bool) -> None:
+    def _poll_loads(self, idle: bool, failed: list | None = None) -> None:
         """Requests whose loads all finished (or passed their deadline) go back to the head of
         the queue. ``idle``: nothing else to run, so wait a little for a load instead of spinning."""
         from ..kv.tiered import wait_any
@@ -209,7 +226,13 @@ class Scheduler:
         for rid, (seq, keys, futs) in list(self.loading.items()):
             if all(f.done() or now > f.deadline for f in futs):
                 del self.loading[rid]
-                seq.tier_payloads = self.tiers.collect(keys, futs)
+                try:
+                    seq.tier_payloads = self.tiers.collect(keys, futs)
+                except Exception as exc:  # noqa: BLE001 - this request alone fails
+                    if failed is None:
+                        raise
+                    failed.append((seq, _tier_failure(exc)))
+                    continue
                 seq.status = SequenceStatus.WAITING
                 self.waiting.appendleft(seq)
 

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import errors
 from .async_engine import AsyncEngine
-from .drain import Drain, DrainMiddleware
+from .drain import RETRY_AFTER_S, Drain, DrainMiddleware
 from .errors import APIError
 from .limits import BodyReadTimeout, BodySizeLimit, HeaderLimits
 from .metrics import ServerMetrics
@@ -55,21 +55,36 @@ def build_app(
     app.add_middleware(HeaderLimits)
     app.state.drain = drain
 
+    @app.get("/health/live")
+    async def live() -> dict:
+        """Liveness (a Kubernetes ``livenessProbe``): 200 while the process answers, draining
+        included, so that a probe never restarts a replica in the middle of its drain."""
+        return {"status": "ok"}
+
     @app.get("/health")
-    async def health(request: Request) -> dict:
-        # With keys configured, only the admin sees load and cache state (they move with
-        # other tenants' traffic); anyone else gets a bare liveness answer.
+    async def health(request: Request):
+        """Readiness (a Kubernetes ``readinessProbe``, a router's or load balancer's check):
+        200 ``{"status": "ok"}`` while the server admits requests; 503 ``{"status": "draining"}``
+        with ``Retry-After`` once SIGTERM started the drain, so traffic is routed elsewhere while
+        running requests finish (liveness stays 200 on ``/health/live``). With keys configured,
+        only the admin sees load and cache state (they move with other tenants' traffic); anyone
+        else gets the bare status."""
         auth = request.headers.get("authorization")
+        status = "draining" if drain.draining else "ok"
         if tenants.keys_configured and not tenants.is_admin(auth):
-            return {"status": "ok"}
-        st = await engine.refresh_stats()
-        return {"status": "ok", "model": model_name, "draining": drain.draining,
-                "requests": {"running": st.num_running, "waiting": st.num_waiting},
-                "kv": {"num_blocks": st.num_blocks, "num_used_blocks": st.num_blocks - st.num_free_blocks,
-                       "num_free_blocks": st.num_free_blocks, "num_cached_blocks": st.num_cached_blocks,
-                       "usage": st.kv_cache_usage},
-                "kv_tiers": {name: {k: t.get(k) for k in ("medium", "state", "policy", "used_bytes", "capacity_bytes")}
-                             for name, t in (getattr(st, "kv_tiers", None) or {}).get("tiers", {}).items()}}
+            body = {"status": status}
+        else:
+            st = await engine.refresh_stats()
+            body = {"status": status, "model": model_name, "draining": drain.draining,
+                    "requests": {"running": st.num_running, "waiting": st.num_waiting},
+                    "kv": {"num_blocks": st.num_blocks, "num_used_blocks": st.num_blocks - st.num_free_blocks,
+                           "num_free_blocks": st.num_free_blocks, "num_cached_blocks": st.num_cached_blocks,
+                           "usage": st.kv_cache_usage},
+                    "kv_tiers": {name: {k: t.get(k) for k in ("medium", "state", "policy", "used_bytes", "capacity_bytes")}
+                                 for name, t in (getattr(st, "kv_tiers", None) or {}).get("tiers", {}).items()}}
+        if drain.draining:
+            return JSONResponse(body, status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        return body
 
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
