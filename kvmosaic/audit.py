@@ -120,7 +120,10 @@ class LengthResult:
 
 class Auditor:
     def __init__(self, url: str, attacker_key: str, victim_key: str, model: str | None = None,
-                 suffix: int = 4, seed: int = 0) -> None:
+                 suffix: int = 4, seed: int = 0, prefix: list[int] | None = None) -> None:
+        """``prefix``: token ids sent before every secret and probe (e.g. an operator-registered
+        public system prompt, to audit ``shared-public`` mode: the secret is the private text
+        after it, and the shared public head must not help the attacker)."""
         import openai
 
         base = url.rstrip("/") + "/v1"
@@ -128,12 +131,14 @@ class Auditor:
         self.victim = openai.OpenAI(base_url=base, api_key=victim_key, max_retries=0, timeout=600)
         self.model = model or self.attacker.models.list().data[0].id
         self.suffix = suffix
+        self.prefix = list(prefix or [])
         self.rng = random.Random(seed)
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(*VOCAB) for _ in range(n)]
 
     def send(self, client, prompt: list[int]) -> Probe:
+        prompt = self.prefix + prompt
         t0 = time.perf_counter()
         ttft, cached = None, None
         stream = client.completions.create(model=self.model, prompt=prompt, max_tokens=1, temperature=0.0,

@@ -17,7 +17,9 @@ from kvmosaic.server.events import BlockStored, KVEventSubscriber
 from kvmosaic.server.launch import ServerProcess, free_port
 
 BLOCK = 16
-COMMON = ("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "512", "--block-size", str(BLOCK),
+# Three processes share two cores: one torch thread each (several oversubscribe and crawl), a small pool.
+COMMON = ("--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "96", "--max-model-len", "512",
+          "--block-size", str(BLOCK),
           "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "admin-key")
 PUBLIC_TEXT = ("You are the support assistant of a hardware store. Answer briefly and politely. Opening hours "
                "are nine to six, Monday to Saturday; returns are accepted for thirty days with a receipt.")
