@@ -19,6 +19,13 @@ what may be shared:
   the first N characters / token ids of a completion prompt). Only whole blocks are public.
   A caller can learn that a public text is cached, and nothing about anyone's private text.
 
+No ``LLM(tenancy=...)``: the offline API has one caller, the process that owns the engine, its
+memory and its cache, and no credentials to tell tenants apart; there is no one to isolate from.
+A program that serves several users through ``LLM`` passes a per-user ``cache_salt`` (each
+prompt may carry its own, ``{"prompt": ..., "cache_salt": ...}``), which is what ``isolated``
+does from API keys; the timing and ``cached_tokens`` side channels exist only where untrusted
+callers share a server, which is what ``kvmosaic serve --tenancy`` governs.
+
 Admin surface: with keys configured, ``/reset_prefix_cache``, ``/metrics`` and the detailed
 ``/health`` need an admin key (401 without a valid credential, 403 with a tenant key); a
 tenant cannot reset its own namespace alone (the hash index does not record namespaces), so
