@@ -570,6 +570,8 @@ def run(args: argparse.Namespace) -> int:
                                                         level if mode == "poisson" else None, args.seed, lens))
                 row = summarize_level(name, wl, mode, level, res, wall, pool)
                 rows.append(row)
+                # partial results survive an interrupted run
+                (out / "serve.partial.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
                 print(f"  {wl} {_load(row)}: {row.requests} ok, {row.failed} failed, TTFT p50 {_ms(row.ttft_p50)} ms, "
                       f"total {row.total_tps:.0f} tok/s, cached {row.cached_tokens}/{row.prompt_tokens}"
                       + (f"; errors: {row.errors}" if row.errors else ""), flush=True)
