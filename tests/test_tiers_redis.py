@@ -19,7 +19,7 @@ redis = pytest.importorskip("redis", reason="the 'tiers' extra (redis-py) is not
 if find_redis_server() is None:  # scripts/setup.sh installs one; say so loudly rather than skip
     pytest.fail("no redis-server binary found: run scripts/setup.sh", pytrace=False)
 
-from kvmosaic.tiers.redis_tier import RedisTier
+from kvmosaic.tiers.redis_tier import RedisTier  # noqa: E402 - after the checks above
 
 
 def key(i: int) -> bytes:

@@ -52,7 +52,9 @@ def make_workload(num_replicas: int, requests_per_replica: int = 40, utilisation
     """``ref_hit``: the fraction of prompt tokens assumed cached when sizing the arrival rate
     (the rate is set so that work at that hit rate is ``utilisation`` of the cluster)."""
     rng = np.random.default_rng(seed)
-    toks = lambda n: rng.integers(3, VOCAB, int(n)).tolist()
+    def toks(n: float) -> list[int]:
+        return rng.integers(3, VOCAB, int(n)).tolist()
+
     num_tenants = max(4, int(tenants_per_replica * num_replicas))
     systems = [toks(rng.integers(500, 4001)) for _ in range(num_tenants)]
     tenant_w = _zipf_weights(num_tenants, zipf_s)
