@@ -50,7 +50,9 @@ class TransformersCBPeer:
         from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
         gen = GenerationConfig(max_new_tokens=max_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-        return gen, ContinuousBatchingConfig(allow_block_sharing=True)
+        # Sized explicitly: left to itself on CPU it preallocates ~13 GB of KV (RSS 14.3 GB measured, SmolLM2-135M).
+        # 128 blocks x 256-token pages = 32k tokens (~1.5 GB float32); 2048 tokens per step, as kvmosaic's default.
+        return gen, ContinuousBatchingConfig(allow_block_sharing=True, num_blocks=128, max_batch_tokens=2048)
 
     def generate_many(self, prompts: list[list[int]], max_tokens: int) -> list[Generation]:
         """All ``prompts`` submitted together in one ``generate_batch`` call."""
