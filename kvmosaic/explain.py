@@ -22,10 +22,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cache.block_pool import BlockPool
-from .cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed
+from .cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, CacheNamespace, get_hash_fn, make_seed
 from .cache.manager import HashCacheManager, KVCacheManager, PlainRequest
 from .cache.radix import RadixCacheManager
 from .cache.radix_tree import common_prefix_len
+from .tiers import TierStack
 
 CONTEXT_TOKENS = 8
 
@@ -97,6 +98,28 @@ def compare(a: Prompt, b: Prompt, block_size: int = 16, hash_algo: str = "sha256
         ex.hash_a = ha[i].hex()[:12] if i < len(ha) else "(partial block: no hash)"
         ex.hash_b = hb[i].hex()[:12] if i < len(hb) else "(partial block: no hash)"
     return ex
+
+
+def tier_sources(prompt: Prompt, tiers: TierStack, seed: bytes, block_size: int, hash_algo: str) -> list[str | None]:
+    """Per full block of ``prompt``: the tier a load would take it from (the fastest holding
+    it), None from the first block no tier holds. Presence only: a load still verifies it."""
+    ns = CacheNamespace(seed, prompt.cache_salt, prompt.adapter_id)
+    chain = BlockHasher(ns, block_size, get_hash_fn(hash_algo)).update(prompt.tokens)
+    return [None if i is None else tiers[i].name for i in tiers.lookup(chain)]
+
+
+def format_tier_sources(sources: list[str | None], block_size: int, num_tokens: int) -> str:
+    runs: list[list] = []
+    for i, name in enumerate(sources):
+        if runs and runs[-1][0] == name:
+            runs[-1][2] = i
+        else:
+            runs.append([name, i, i])
+    lines = [f"{num_tokens} tokens, {len(sources)} full blocks of {block_size}:"]
+    for name, lo, hi in runs:
+        where = f"from the {name} tier" if name else "in no tier: computed (or from the pool, if it holds them)"
+        lines.append(f"  blocks {lo}-{hi} (tokens {lo * block_size}-{(hi + 1) * block_size - 1}): {where}")
+    return "\n".join(lines)
 
 
 def _show(p: Prompt, what: str) -> str:
@@ -213,6 +236,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--adapter", nargs="*", default=[], help="adapter id of a and b ('-' for none)")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--model", default=None, help="GGUF file or folder whose tokenizer to use (default: shipped)")
+    p.add_argument("--kv-tier", action="append", default=None, metavar="SPEC", dest="kv_tiers",
+                   help="with one prompt: say from which of these storage tiers each block would load "
+                        "(as `kvmosaic serve --kv-tier`; repeatable)")
+    p.add_argument("--dtype", default="auto", help="the serving engine's dtype (names its blocks, with --kv-tier)")
+    p.add_argument("--hash-algo", default=DEFAULT_HASH_ALGO, help="the serving engine's hash_algo (with --kv-tier)")
 
 
 def load_tokenizer_only(model: str | None):
@@ -231,8 +259,9 @@ def _opt(values: list[str], i: int) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if len(args.prompts) > 2 or (len(args.prompts) == 1) == (args.against is None):
-        print("give two prompts, or one prompt and --against FILE")
+    tiers_only = len(args.prompts) == 1 and args.against is None and args.kv_tiers
+    if not tiers_only and (len(args.prompts) > 2 or (len(args.prompts) == 1) == (args.against is None)):
+        print("give two prompts, one prompt and --against FILE, or one prompt and --kv-tier SPEC")
         return 2
     tok = load_tokenizer_only(args.model)
 
@@ -241,6 +270,23 @@ def run(args: argparse.Namespace) -> int:
         return Prompt(list(ids), salt if salt is not None else _opt(args.salt, i),
                       adapter if adapter is not None else _opt(args.adapter, i), f"prompt {i}")
 
+    if tiers_only:
+        import torch
+
+        from .engine.config import auto_dtype
+        from .model.loader import weights_fingerprint
+        from .tiers import build_tiers
+
+        dtype = auto_dtype(torch.device("cpu")) if args.dtype == "auto" else args.dtype
+        seed = make_seed(weights_fingerprint(args.model), dtype, args.block_size, args.hash_algo)
+        query = encode(load_prompt_arg(args.prompts[0]), 0)
+        stack = TierStack(build_tiers(args.kv_tiers))
+        try:
+            sources = tier_sources(query, stack, seed, args.block_size, args.hash_algo)
+        finally:
+            stack.close()
+        print(format_tier_sources(sources, args.block_size, len(query.tokens)))
+        return 0
     if args.against is None:
         a = encode(load_prompt_arg(args.prompts[0]), 0)
         b = encode(load_prompt_arg(args.prompts[1]), 1)

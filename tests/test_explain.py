@@ -61,3 +61,24 @@ def test_cli_finds_a_trailing_space_with_the_real_tokenizer(capsys, tmp_path):
     assert main(["explain", system + " How much is delivery?", "--against", str(earlier)]) == 0
     out = capsys.readouterr().out
     assert "against 2 cached prompts" in out and "closest earlier prompt: #0" in out
+
+
+def test_explain_says_from_which_tier_each_block_would_load(tmp_path):
+    from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed
+    from kvmosaic.explain import Prompt, format_tier_sources, tier_sources
+    from kvmosaic.tiers import DiskTier, HostTier, TierStack
+
+    seed = make_seed("fp", "float32", 4, "sha256")
+    prompt = Prompt(list(range(20)), "tenant", None, "q")
+    chain = BlockHasher(CacheNamespace(seed, "tenant"), 4, get_hash_fn("sha256")).update(prompt.tokens)
+    host, disk = HostTier(1 << 20, name="host"), DiskTier(tmp_path, 1 << 20, name="disk")
+    host.put(chain[0], b"x")
+    for h in chain[:3]:
+        disk.put(h, b"x")
+    disk.put(chain[4], b"x")  # after a gap: never reached
+    stack = TierStack([host, disk])
+    assert tier_sources(prompt, stack, seed, 4, "sha256") == ["host", "disk", "disk", None, None]
+    other = Prompt(prompt.tokens, "another tenant", None, "q")  # the salt is in the chain
+    assert tier_sources(other, stack, seed, 4, "sha256") == [None] * 5
+    text = format_tier_sources(["host", "disk", "disk", None, None], 4, 20)
+    assert "blocks 1-2 (tokens 4-11): from the disk tier" in text and "blocks 3-4" in text

@@ -196,3 +196,20 @@ def test_redis_server_helper(server):
     with pytest.raises(RuntimeError, match="already answers"):  # never mistake another server for ours
         clash.start()
     assert not clash.running
+
+
+def test_calls_in_flight_when_redis_dies_do_not_grow_the_backoff():
+    """Several threads' calls failing at once count as one failure: the next probe comes after
+    one backoff period, not after 2**n of them."""
+    with RedisServer() as server:
+        tier = RedisTier(server.url, timeout=0.2, backoff=0.3)
+        assert tier.put(b"k", b"v")
+        server.kill()
+        for _ in range(6):  # as if six loader threads' calls failed together
+            tier._failed(ConnectionError("gone"))
+        assert tier.state == "down" and tier._backoff == 0.3
+        server.start()
+        time.sleep(0.35)
+        tier.put(b"k2", b"v")
+        assert tier.state == "up"
+        tier.close()

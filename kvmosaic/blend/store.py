@@ -3,6 +3,12 @@
 Each stored segment is one tensor ``[num_layers, 2 (K, V), T, kv_heads, head_dim]`` in the
 KV pool's dtype, K rotated at positions ``origin .. origin+T-1`` (the index entry records
 ``origin``). A tensor is held exactly as long as its key is in the index.
+
+With storage tiers (``attach_tiers``), a stored segment is also written to every tier under its
+segment key, in the tiers' checked format (``layout`` ``segment:L,2,T,H,D``, the segment's tokens,
+``position`` = origin), and a segment missing from memory is looked up there: a restart or
+another process sharing a Redis tier finds it. Tier I/O for segments runs on the engine thread
+(a segment is stored once, when first computed); a load that fails a check is a miss.
 """
 
 from __future__ import annotations
@@ -13,6 +19,11 @@ import torch
 
 from ..cache.hashing import CacheNamespace
 from ..cache.segments import SegmentEntry, SegmentIndex, segment_key
+from ..kv.block_io import dtype_name
+from ..kv.paged import PagedKVCache
+from ..tiers import BlockMeta, TierStack, encode_block
+
+SEGMENT_LAYOUT = "segment:L,2,T,H,D"
 
 
 class SegmentKVStore:
@@ -20,6 +31,20 @@ class SegmentKVStore:
         self.index = SegmentIndex(capacity_bytes)
         self.seed = seed
         self.tensors: dict[bytes, torch.Tensor] = {}
+        self.tiers: TierStack | None = None
+        self.fingerprint = ""
+        self.tier_loads = 0  # segments found in a tier after a memory miss
+
+    def attach_tiers(self, tiers: TierStack, fingerprint: str, kv: PagedKVCache) -> None:
+        """Write stored segments to ``tiers`` too and look there on a memory miss."""
+        self.tiers, self.fingerprint = tiers, fingerprint
+        self.layer_shape = (kv.config.num_layers, 2, kv.config.num_kv_heads, kv.config.head_dim)
+        self.dtype = kv.dtype
+
+    def _meta(self, key: bytes, tokens: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
+              origin: int = 0) -> BlockMeta:
+        return BlockMeta(self.fingerprint, dtype_name(dtype), len(tokens), SEGMENT_LAYOUT, shape,
+                         tuple(int(t) for t in tokens), key, position=origin)
 
     def key(self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None) -> bytes:
         return segment_key(CacheNamespace(self.seed, cache_salt, adapter_id), tokens)
@@ -27,14 +52,36 @@ class SegmentKVStore:
     def get(
         self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None = None
     ) -> tuple[SegmentEntry, torch.Tensor] | None:
-        entry = self.index.lookup(self.key(tokens, cache_salt, adapter_id), tokens)
-        return None if entry is None else (entry, self.tensors[entry.key])
+        key = self.key(tokens, cache_salt, adapter_id)
+        entry = self.index.lookup(key, tokens)
+        if entry is not None:
+            return entry, self.tensors[entry.key]
+        return self._load_from_tiers(key, tokens, cache_salt, adapter_id)
+
+    def _load_from_tiers(self, key: bytes, tokens: Sequence[int], cache_salt: str | None,
+                         adapter_id: str | None) -> tuple[SegmentEntry, torch.Tensor] | None:
+        if self.tiers is None:
+            return None
+        shape = (*self.layer_shape[:2], len(tokens), *self.layer_shape[2:])
+        got = self.tiers.load(key, self._meta(key, tokens, shape, self.dtype))
+        if got is None:
+            return None
+        kv = torch.frombuffer(bytearray(got.payload), dtype=self.dtype).view(shape)
+        self.tier_loads += 1
+        if not self.put(tokens, cache_salt, adapter_id, got.position, kv, to_tiers=False):
+            return None
+        return self.index.lookup(key, tokens), self.tensors[key]
 
     def put(
-        self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None, origin: int, kv: torch.Tensor
+        self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None, origin: int, kv: torch.Tensor,
+        to_tiers: bool = True,
     ) -> bool:
         """Keep ``kv`` (copied) for ``tokens``; False when it is larger than the budget."""
         key = self.key(tokens, cache_salt, adapter_id)
+        if to_tiers and self.tiers is not None:
+            meta = self._meta(key, tokens, tuple(kv.shape), kv.dtype, origin)
+            value = encode_block(meta, kv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
+            self.tiers.put_encoded(key, value, range(len(self.tiers)))
         evicted = self.index.insert(key, tokens, origin, kv.numel() * kv.element_size())
         if evicted is None:
             return False

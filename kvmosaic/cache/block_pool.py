@@ -43,9 +43,13 @@ __all__ = ["BlockObserver", "BlockPool", "FreeBlockQueue", "KVBlock", "NoFreeBlo
 class BlockObserver(Protocol):
     """Told of every block entering and leaving the content index (both backends)."""
 
-    def on_cache(self, block: KVBlock, block_hash: BlockHash, token_ids: Sequence[int]) -> None: ...
+    def on_cache(self, block: KVBlock, block_hash: BlockHash, parent_hash: BlockHash | None,
+                 token_ids: Sequence[int]) -> None: ...
 
     def on_uncache(self, block: KVBlock, block_hash: BlockHash, evicted: bool) -> None: ...
+
+    def on_hit(self, block: KVBlock) -> None:
+        """A request reuses the cached ``block`` (``block.hits`` counts its uses)."""
 
 
 class BlockPool:
@@ -202,8 +206,15 @@ class BlockPool:
             BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, adapter_id, self.medium)
         )
         if self.observer is not None:
-            self.observer.on_cache(block, block_hash, token_ids)
+            self.observer.on_cache(block, block_hash, parent_hash, token_ids)
         return True
+
+    def record_hits(self, blocks: Iterable[KVBlock]) -> None:
+        """A new request reuses these cached blocks (for policies that count hits)."""
+        if self.observer is not None:
+            for block in blocks:
+                if block.block_hash is not None:
+                    self.observer.on_hit(block)
 
     def uncache_block(self, block: KVBlock, evicted: bool = True) -> None:
         """Take a block out of the content index (its KV stays until it is overwritten).

@@ -8,6 +8,7 @@ storage tier reports its own).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 
@@ -50,18 +51,22 @@ class EventLog:
     pending: list[KVCacheEvent] = field(default_factory=list)
     num_dropped: int = 0
     dropped_since_drain: int = 0
+    # The engine thread emits, and so do the storage tiers' writer threads (tier media).
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def emit(self, event: KVCacheEvent) -> None:
         if not self.enabled:
             return
-        if len(self.pending) < self.max_pending:
-            self.pending.append(event)
-        else:
-            self.num_dropped += 1
-            self.dropped_since_drain += 1
+        with self._lock:
+            if len(self.pending) < self.max_pending:
+                self.pending.append(event)
+            else:
+                self.num_dropped += 1
+                self.dropped_since_drain += 1
 
     def drain(self) -> tuple[list[KVCacheEvent], int]:
         """The pending events, and how many were dropped since the last drain."""
-        out, self.pending = self.pending, []
-        dropped, self.dropped_since_drain = self.dropped_since_drain, 0
+        with self._lock:
+            out, self.pending = self.pending, []
+            dropped, self.dropped_since_drain = self.dropped_since_drain, 0
         return out, dropped

@@ -231,6 +231,7 @@ class KVCacheManager(ABC):
             return None
         if first:
             self.pool.touch(hit.blocks[:full_hit])
+            self.pool.record_hits(hit.blocks[:full_hit])
             self.req_blocks[req.request_id] = list(hit.blocks[:full_hit])
         new = self.pool.get_new_blocks(need)
         if first and partial:

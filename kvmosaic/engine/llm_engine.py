@@ -291,9 +291,10 @@ class LLMEngine:
         from ..kv.tiered import TierConnector
 
         self.tiers = TierConnector.from_specs(config.kv_tiers, BlockIO(self.kv, self.model_fingerprint),
-                                              config.kv_tier_load_timeout)
+                                              config.kv_tier_load_timeout, self.events)
         self.pool.observer = self.tiers
         self.cache.tiers = self.tiers
+        self.segment_reuse.store.attach_tiers(self.tiers.stack, self.model_fingerprint, self.kv)
         self.scheduler.tiers = self.tiers
         self._tiers_finalizer = weakref.finalize(self, self.tiers.close)
 

@@ -17,24 +17,37 @@ One :class:`TierConnector` per engine. It is
 from __future__ import annotations
 
 import concurrent.futures as cf
+import functools
 import threading
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from ..tiers import TierLoader, TierStack, Trigger, build_tiers, encode_block
+from ..cache.events import BlockRemoved, BlockStored, EventLog
+from ..tiers import Policy, TierLoader, TierStack, Trigger, build_tiers, encode_block
 from .block_io import BlockIO
 
 
 class TierConnector:
-    def __init__(self, stack: TierStack, io: BlockIO, load_timeout: float = 2.0) -> None:
+    def __init__(self, stack: TierStack, io: BlockIO, load_timeout: float = 2.0,
+                 events: EventLog | None = None) -> None:
         self.stack = stack
         self.io = io
+        # Cache events name each tier as a medium: a block stored there (BlockStored), or
+        # dropped by the tier's own eviction or as corrupt (BlockRemoved), so a router can
+        # credit a replica per tier.
+        self.events = events
+        if events is not None:
+            for t in stack:
+                t.on_removed = functools.partial(self._announce_removed, t.medium)
         self.loader = TierLoader(stack, load_timeout)
         self._writer = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvmosaic-tier-write")
         self._through = [i for i, t in enumerate(stack) if t.wants(Trigger.FULL)]
         self._back = [i for i, t in enumerate(stack) if t.wants(Trigger.EVICT)]
-        self._tokens: dict[bytes, tuple[int, ...]] = {}  # cached blocks' tokens, for write-back
+        self._selective = [i for i, t in enumerate(stack) if t.policy is Policy.WRITE_THROUGH_SELECTIVE]
+        # Cached blocks' tokens and parent hash, for a store after the block was cached
+        # (write-back, selective).
+        self._tokens: dict[bytes, tuple[tuple[int, ...], bytes | None]] = {}
         self._loaded_from: dict[bytes, int] = {}  # blocks loaded, not indexed yet -> source tier
         self._lock = threading.Lock()
         self.hit_tokens = [0] * len(stack)  # tokens each tier supplied to admitted requests
@@ -45,50 +58,64 @@ class TierConnector:
         self._closed = False
 
     @classmethod
-    def from_specs(cls, specs: Sequence[str], io: BlockIO, load_timeout: float = 2.0) -> TierConnector:
-        return cls(TierStack(build_tiers(list(specs))), io, load_timeout)
+    def from_specs(cls, specs: Sequence[str], io: BlockIO, load_timeout: float = 2.0,
+                   events: EventLog | None = None) -> TierConnector:
+        return cls(TierStack(build_tiers(list(specs))), io, load_timeout, events)
 
     # ---- the pool's observer ---------------------------------------------------------------
-    def on_cache(self, block, block_hash: bytes, token_ids: Sequence[int]) -> None:
-        if self._back:
-            self._tokens[block_hash] = tuple(token_ids)
+    def on_cache(self, block, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
+        if self._back or self._selective:
+            self._tokens[block_hash] = (tuple(token_ids), parent_hash)
         src = self._loaded_from.pop(block_hash, None)
         targets = [i for i in self._through if i != src]
         if targets:
-            self._store(block.block_id, block_hash, token_ids, targets, check=src is not None)
+            self._store(block.block_id, block_hash, parent_hash, token_ids, targets, check=src is not None)
+
+    def on_hit(self, block) -> None:
+        """write_through_selective: store a block once it has been hit ``k`` times."""
+        targets = [i for i in self._selective if self.stack[i].wants(Trigger.HIT, block.hits)]
+        known = self._tokens.get(block.block_hash)
+        if targets and known is not None:
+            self._store(block.block_id, block.block_hash, known[1], known[0], targets, check=True)
 
     def on_uncache(self, block, block_hash: bytes, evicted: bool) -> None:
-        tokens = self._tokens.pop(block_hash, None) if self._back else None
-        if not evicted or tokens is None:
+        known = self._tokens.pop(block_hash, None) if (self._back or self._selective) else None
+        if not evicted or known is None:
             return
         targets = [i for i in self._back if not (self.stack[i].medium == "host" and self.stack[i].contains(block_hash))]
         if targets:
-            self._store(block.block_id, block_hash, tokens, targets, check=False)
+            self._store(block.block_id, block_hash, known[1], known[0], targets, check=False)
 
-    def _store(self, block_id: int, key: bytes, tokens: Sequence[int], targets: list[int], check: bool) -> None:
+    def _store(self, block_id: int, key: bytes, parent: bytes | None, tokens: Sequence[int], targets: list[int],
+               check: bool) -> None:
         payload = self.io.read(block_id)  # now: the block may be overwritten by the next step
         meta = self.io.meta(key, tokens)
         fast = [i for i in targets if self.stack[i].medium == "host"]
         slow = [i for i in targets if i not in fast]
         if fast:
-            self._put(key, encode_block(meta, payload), fast, check)
+            self._put(key, parent, meta, payload, fast, check)
         if slow and not self._closed:
-            self._writer.submit(self._put, key, None, slow, check, meta, payload)
+            self._writer.submit(self._put, key, parent, meta, payload, slow, check)
 
-    def _put(self, key, value, targets, check, meta=None, payload=None) -> None:
+    def _put(self, key: bytes, parent: bytes | None, meta, payload: bytes, targets: list[int], check: bool) -> None:
         try:
             if check:
                 targets = [i for i in targets if not self.stack[i].contains(key)]
             if not targets:
                 return
-            if value is None:
-                value = encode_block(meta, payload)
-            n = len(self.stack.put_encoded(key, value, targets))
+            stored = self.stack.put_encoded(key, encode_block(meta, payload), targets)
             with self._lock:
-                self.blocks_written += n
+                self.blocks_written += len(stored)
+            if self.events is not None:
+                for i in stored:
+                    self.events.emit(BlockStored([key], parent, list(meta.token_ids), meta.block_size, None,
+                                                 self.stack[i].medium))
         except Exception:  # noqa: BLE001 - a failed store is a future miss, never an error
             with self._lock:
                 self.write_errors += 1
+
+    def _announce_removed(self, medium: str, key: bytes) -> None:
+        self.events.emit(BlockRemoved([key], medium))
 
     # ---- lookup and load -------------------------------------------------------------------
     def lookup(self, keys: Sequence[bytes]) -> list[int | None]:

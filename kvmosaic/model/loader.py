@@ -56,6 +56,13 @@ def fingerprint_files(paths: list[Path]) -> str:
     return h.hexdigest()
 
 
+def weights_fingerprint(model: str | None = None) -> str:
+    """The fingerprint :func:`load_weights` gives, read from the files without loading a tensor
+    (for tools that name an engine's blocks, e.g. ``kvmosaic explain --kv-tier``)."""
+    path = Path(model) if model else Path(shipped_model_path())
+    return fingerprint_files([path] if path.is_file() else sorted(path.glob("*.safetensors")))
+
+
 def load_weights(model: str | None = None) -> LoadedWeights:
     path = Path(model) if model else Path(shipped_model_path())
     if not path.exists():

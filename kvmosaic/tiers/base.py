@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import enum
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from .stats import TierStats
 
@@ -74,6 +74,15 @@ class Tier(ABC):
         self.policy = Policy(policy) if policy is not None else DEFAULT_POLICY[self.medium]
         self.hit_threshold = hit_threshold
         self.stats = TierStats()
+        # Told of each key this tier drops on its own (its eviction order, a corrupt entry), so
+        # cache events can say the block left this medium. Redis evicts by itself (maxmemory)
+        # without telling: a follower may believe a Redis block is there until a load misses.
+        self.on_removed: Callable[[bytes], None] | None = None
+
+    def _removed(self, keys: Sequence[bytes]) -> None:
+        if self.on_removed is not None:
+            for key in keys:
+                self.on_removed(key)
 
     def wants(self, trigger: Trigger, hits: int = 0) -> bool:
         """Whether this tier's policy stores a block on ``trigger``."""

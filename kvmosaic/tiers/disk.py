@@ -187,15 +187,17 @@ class DiskTier(Tier):
         return True
 
     def _evict_to(self, budget: int) -> None:
-        evicted = evicted_bytes = 0
+        evicted_bytes = 0
+        victims: list[bytes] = []
         while self._used > budget and self._index:
             key, size = self._index.popitem(last=False)
             self._used -= size
             _unlink(self.path_for(key))
-            evicted += 1
+            victims.append(key)
             evicted_bytes += size
-        if evicted:
-            self.stats.add(evictions=evicted, bytes_evicted=evicted_bytes)
+        if victims:
+            self.stats.add(evictions=len(victims), bytes_evicted=evicted_bytes)
+            self._removed(victims)
 
 
 def _unlink(path) -> None:

@@ -57,7 +57,9 @@ class BlockMeta:
 
     ``layout`` names the payload's axes (e.g. ``"L,2,B,H,D"``: layers, K/V, block tokens, KV heads,
     head dim) and ``shape`` gives their sizes. ``block_hash`` is the chain hash the block is stored
-    under (the tier key).
+    under (the tier key). ``position`` is where the payload's first token sat when its K was
+    rotated (a stored segment's origin; 0 for prefix blocks, whose position follows from the
+    chain): a property of the data, not of its identity, so a load reports it and does not compare.
     """
 
     fingerprint: str
@@ -68,6 +70,7 @@ class BlockMeta:
     token_ids: tuple[int, ...]
     block_hash: bytes = b""
     version: int = field(default=FORMAT_VERSION)
+    position: int = 0
 
     def payload_nbytes(self) -> int | None:
         """The payload size the shape and dtype imply, or None for an unknown dtype."""
@@ -75,18 +78,18 @@ class BlockMeta:
         return None if size is None else size * math.prod(self.shape)
 
     def to_json(self) -> bytes:
-        return json.dumps(
-            {
-                "fingerprint": self.fingerprint,
-                "dtype": self.dtype,
-                "block_size": self.block_size,
-                "layout": self.layout,
-                "shape": list(self.shape),
-                "token_ids": list(self.token_ids),
-                "block_hash": self.block_hash.hex(),
-            },
-            separators=(",", ":"),
-        ).encode()
+        d = {
+            "fingerprint": self.fingerprint,
+            "dtype": self.dtype,
+            "block_size": self.block_size,
+            "layout": self.layout,
+            "shape": list(self.shape),
+            "token_ids": list(self.token_ids),
+            "block_hash": self.block_hash.hex(),
+        }
+        if self.position:
+            d["position"] = self.position
+        return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
     def from_json(cls, data: bytes, version: int) -> BlockMeta:
@@ -100,6 +103,7 @@ class BlockMeta:
             token_ids=tuple(int(x) for x in d["token_ids"]),
             block_hash=bytes.fromhex(d["block_hash"]),
             version=version,
+            position=int(d.get("position", 0)),
         )
 
 
@@ -127,6 +131,11 @@ def decode_block(data: bytes | bytearray | memoryview, expected: BlockMeta) -> b
 
     Raises :class:`CorruptEntry` otherwise (see the module docstring for the reasons).
     """
+    return decode_block_meta(data, expected)[1]
+
+
+def decode_block_meta(data: bytes | bytearray | memoryview, expected: BlockMeta) -> tuple[BlockMeta, bytes]:
+    """:func:`decode_block`, with the stored meta (for what a load reports, e.g. ``position``)."""
     view = memoryview(data).cast("B")
     meta, payload = _parse(view)
     for name in ("fingerprint", "dtype", "block_size"):
@@ -141,7 +150,7 @@ def decode_block(data: bytes | bytearray | memoryview, expected: BlockMeta) -> b
     want = expected.payload_nbytes()
     if want is not None and payload.nbytes != want:
         raise CorruptEntry("payload", f"{payload.nbytes} bytes, shape implies {want}")
-    return payload.tobytes()
+    return meta, payload.tobytes()
 
 
 def _parse(view: memoryview) -> tuple[BlockMeta, memoryview]:

@@ -56,19 +56,21 @@ class HostTier(Tier):
         if size > self.capacity_bytes:
             self.stats.add(store_rejected=1)
             return False
-        evicted = evicted_bytes = 0
+        evicted_bytes = 0
+        victims: list[bytes] = []
         with self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._used -= len(old)
             while self._used + size > self.capacity_bytes:
-                _, victim = self._entries.popitem(last=False)
-                self._used -= len(victim)
-                evicted += 1
-                evicted_bytes += len(victim)
+                victim, data = self._entries.popitem(last=False)
+                self._used -= len(data)
+                victims.append(victim)
+                evicted_bytes += len(data)
             self._entries[key] = value
             self._used += size
-        self.stats.add(stores=1, bytes_stored=size, evictions=evicted, bytes_evicted=evicted_bytes)
+        self.stats.add(stores=1, bytes_stored=size, evictions=len(victims), bytes_evicted=evicted_bytes)
+        self._removed(victims)
         return True
 
     def get(self, key: bytes) -> bytes | None:

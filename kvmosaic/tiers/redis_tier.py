@@ -88,12 +88,18 @@ class RedisTier(Tier):
                 self._backoff = self.base_backoff
 
     def _failed(self, exc: BaseException) -> None:
+        now = time.monotonic()
         with self._lock:
-            if self._state == "down":
-                self._backoff = min(self._backoff * 2, self.max_backoff)
-            self._state = "down"
-            self._retry_at = time.monotonic() + self._backoff
             self.last_error = f"{type(exc).__name__}: {exc}"
+            # Only a failed probe (a call let through after the backoff) doubles it: calls that
+            # were already in flight on other threads when the server went away fail too, and
+            # must not push the next probe out by a power of two each.
+            in_flight = self._state == "down" and now < self._retry_at
+            if not in_flight:
+                if self._state == "down":
+                    self._backoff = min(self._backoff * 2, self.max_backoff)
+                self._state = "down"
+                self._retry_at = now + self._backoff
         self.stats.add(errors=1)
         with contextlib.suppress(Exception):  # dropping dead sockets must not raise
             self._client.connection_pool.disconnect()

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .base import Tier, Trigger
-from .format import BlockMeta, CorruptEntry, decode_block, encode_block
+from .format import BlockMeta, CorruptEntry, decode_block_meta, encode_block
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class Loaded:
     payload: bytes
     tier: int
     medium: str
+    position: int = 0  # the stored meta's position (a segment's origin)
 
 
 class TierStack:
@@ -86,10 +87,12 @@ class TierStack:
             if value is None:
                 continue
             try:
-                return Loaded(decode_block(value, expected), i, t.medium)
+                meta, payload = decode_block_meta(value, expected)
+                return Loaded(payload, i, t.medium, meta.position)
             except CorruptEntry as e:
                 t.stats.record_corrupt(e.reason)
                 t.delete(key)
+                t._removed([key])
         return None
 
     # -- store -------------------------------------------------------------------------------
