@@ -160,3 +160,23 @@ def test_dtype_auto_picks_what_the_hardware_computes_natively():
     assert auto_dtype(torch.device("cpu")) == ("bfloat16" if native else "float32")
     assert EngineConfig(device="cpu").dtype == auto_dtype(torch.device("cpu"))
     assert EngineConfig(device="cpu", dtype="bfloat16").dtype == "bfloat16"
+
+
+def test_slot_usage_counts_shared_blocks_once():
+    from kvmosaic.engine.sampling_params import SamplingParams as SP
+    from tests.conftest import make_llm
+
+    eng = make_llm(max_num_batched_tokens=512).engine
+    params = SP(temperature=0, max_tokens=4, ignore_eos=True)
+    eng.add_request(list(range(100, 140)), params)  # 40 tokens: 3 blocks, the last one half full
+    eng.step()
+    st = eng.get_stats()
+    assert (st.kv_slots_allocated, st.kv_slots_used) == (48, 40)
+    eng.add_request(list(range(100, 140)) + [7], params)  # shares the first two blocks
+    eng.step()  # the first decodes its 41st token; the second computes tokens 32-40 in a block of its own
+    st = eng.get_stats()
+    assert (st.kv_slots_allocated, st.kv_slots_used) == (4 * 16, 41 + 9)
+    while eng.has_unfinished_requests():
+        eng.step()
+    st = eng.get_stats()
+    assert (st.kv_slots_allocated, st.kv_slots_used) == (0, 0)

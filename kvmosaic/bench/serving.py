@@ -43,12 +43,11 @@ DEFAULT_SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "tran
 SERVE_WORKLOADS = ("shared-prefix", "no-reuse")
 
 POOL_NOTE = (
-    "KV pool: kvmosaic's /health gives blocks (kv.num_used_blocks of kv.num_blocks), not tokens, so "
-    "*blocks used* is the peak number of blocks in use during the level and *pool util.* is (prompt + output "
-    "tokens of the requests in flight) / (blocks in use x block size), from the samples where requests were "
-    "in flight: an estimate (shared prefix blocks count once in the denominator but once per request in the "
-    "numerator, so it can exceed 100% with sharing). The exact figure needs one more /health field: "
-    "kv.num_used_slots, the number of token slots holding real tokens in the blocks in use."
+    "KV pool: *blocks used* is the peak of kvmosaic's /health kv.num_used_blocks during the level, and *pool "
+    "util.* the median over samples with requests running of kv.num_used_slots / kv.num_allocated_slots: slots "
+    "holding a computed token among the slots of the blocks running requests hold (a shared block counts "
+    "once). Servers without those fields get an estimate from client-side token counts, which can exceed 100% when "
+    "requests share blocks."
 )
 
 
@@ -431,9 +430,10 @@ class PoolSampler:
                     kv = (await http.get(self.url + "/health")).json()["kv"]
                     used, self.num_blocks = kv["num_used_blocks"], kv["num_blocks"]
                     self.peak = max(self.peak, used)
-                    tokens = sum(self.in_flight.values())
-                    if used and tokens:
-                        self.utils.append(tokens / (used * self.block_size))
+                    if kv.get("num_allocated_slots"):  # exact, from the engine
+                        self.utils.append(kv["num_used_slots"] / kv["num_allocated_slots"])
+                    elif used and sum(self.in_flight.values()):  # an estimate (see POOL_NOTE)
+                        self.utils.append(sum(self.in_flight.values()) / (used * self.block_size))
                 except (httpx.HTTPError, KeyError, ValueError):
                     pass
                 try:

@@ -58,6 +58,8 @@ class EngineStats:
     generation_tokens: int
     kv_bytes_per_token: int
     num_events_dropped: int = 0
+    kv_slots_allocated: int = 0  # slots of the blocks running requests hold
+    kv_slots_used: int = 0  # of those, slots holding a computed token
     # Storage tiers: per tier (by name) counters, medium, policy, state, bytes; {} when off.
     kv_tiers: dict = field(default_factory=dict)
 
@@ -325,4 +327,14 @@ class LLMEngine:
             kv_bytes_per_token=self.kv.bytes_per_token,
             num_events_dropped=self.events.num_dropped,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
+            **self._slot_usage(),
         )
+
+    def _slot_usage(self) -> dict[str, int]:
+        """Slots of the blocks running requests hold, and how many hold a computed token (a
+        shared block counts once, at its fullest): the pool's utilisation under load."""
+        bs, filled = self.pool.block_size, {}
+        for seq in self.scheduler.running:
+            for i, bid in enumerate(self.cache.block_table(seq.request_id)):
+                filled[bid] = max(filled.get(bid, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
+        return {"kv_slots_allocated": len(filled) * bs, "kv_slots_used": sum(filled.values())}

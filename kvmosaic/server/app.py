@@ -79,7 +79,8 @@ def build_app(
                     "requests": {"running": st.num_running, "waiting": st.num_waiting},
                     "kv": {"num_blocks": st.num_blocks, "num_used_blocks": st.num_blocks - st.num_free_blocks,
                            "num_free_blocks": st.num_free_blocks, "num_cached_blocks": st.num_cached_blocks,
-                           "usage": st.kv_cache_usage},
+                           "usage": st.kv_cache_usage, "num_allocated_slots": st.kv_slots_allocated,
+                           "num_used_slots": st.kv_slots_used},
                     "kv_tiers": {name: {k: t.get(k) for k in ("medium", "state", "policy", "used_bytes", "capacity_bytes")}
                                  for name, t in (getattr(st, "kv_tiers", None) or {}).get("tiers", {}).items()}}
         if drain.draining:
