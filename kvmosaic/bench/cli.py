@@ -19,7 +19,7 @@ from pathlib import Path
 
 from . import plots, report
 from .benchmarks_md import publish
-from .peers import ALL_PEERS, DEFAULT_PEERS, PeerSettings, unavailable_reason
+from .peers import ALL_PEERS, DEFAULT_PEERS, QUICK_PEERS, PeerSettings, unavailable_reason
 from .runner import run_workload, warm_up
 from .summary import pick_reference, summarize
 from .targets import check_targets
@@ -34,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a benchmark workload (docs/ARCHITECTURE.md), all, serve (the serving benchmark) or batch-16 "
                         "(16 shared-prefix prompts submitted together)")
     p.add_argument("--peers", default=None,
-                   help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all); "
+                   help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all; with --quick: "
+                        f"{', '.join(QUICK_PEERS)}); "
                         f"for serve: {', '.join(SERVE_PEERS)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--seed", type=int, default=0, help="fixes every prompt of every workload")
@@ -94,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         from .batch import run as run_batch
 
         return run_batch(args)
-    args.peers = args.peers or ",".join(DEFAULT_PEERS)
+    args.peers = args.peers or ",".join(QUICK_PEERS if args.quick else DEFAULT_PEERS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     skipped: list[str] = []
