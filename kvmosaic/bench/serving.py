@@ -29,7 +29,6 @@ import platform
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -270,58 +269,35 @@ def unavailable_reason(name: str) -> str | None:
 
 
 class ServerPeer:
-    """One peer's HTTP server as a child process: ``argv`` with ``{port}`` filled in."""
+    """One peer's HTTP server as a child process (``server.launch.ServerProcess``): ``argv`` with
+    ``{port}`` filled in. transformers serve is ready at /health (its /v1/models scans the Hub
+    cache and fails offline); the others at /v1/models, which also names the model."""
 
     def __init__(self, name: str, argv: list[str], extra_body: dict, usage_option: bool, kvmosaic: bool,
                  model: str | None = None) -> None:
-        from kvmosaic.server.launch import free_port
+        from kvmosaic.server.launch import ServerProcess
 
         self.name, self.extra_body, self.usage_option, self.kvmosaic = name, extra_body, usage_option, kvmosaic
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.argv = [a.replace("{port}", str(self.port)) for a in argv]
         self.model = model
-        self.log = tempfile.NamedTemporaryFile("w+", prefix=f"bench-serve-{name}-", suffix=".log", delete=False)
-        self.proc: subprocess.Popen | None = None
+        self.server = ServerProcess(command=argv, ready_path="/health" if model else "/v1/models")
+        self.url = self.server.url
 
     def start(self, timeout: float = 600.0) -> ServerPeer:
         import httpx
 
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(self.argv, stdout=self.log, stderr=subprocess.STDOUT, env=env)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}: {self.tail()}")
-            try:
-                if self.model:  # transformers serve: /v1/models scans the Hub cache (500 offline); /health
-                    if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                        return self
-                else:
-                    r = httpx.get(self.url + "/v1/models", timeout=2)
-                    if r.status_code == 200 and r.json().get("data"):
-                        self.model = r.json()["data"][0]["id"]
-                        return self
-            except (httpx.HTTPError, ValueError):
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError(f"{self.name} did not answer /v1/models in {timeout:.0f} s: {self.tail()}")
+        try:
+            self.server.start(timeout)
+        except (RuntimeError, TimeoutError) as e:
+            raise type(e)(f"{self.name}: {e}") from None
+        if not self.model:
+            self.model = httpx.get(self.url + "/v1/models", timeout=10).json()["data"][0]["id"]
+        return self
 
     def tail(self, n: int = 6) -> str:
-        self.log.flush()
-        return " | ".join(Path(self.log.name).read_text(errors="replace").strip().splitlines()[-n:])
+        return " | ".join(self.server.output().strip().splitlines()[-n:])
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        Path(self.log.name).unlink(missing_ok=True)
+        self.server.stop()
 
 
 def export_gguf(gguf: Path) -> Path:

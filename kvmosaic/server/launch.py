@@ -1,8 +1,10 @@
-"""Start ``kvmosaic serve`` as a child process on a free loopback port and wait until it
-answers ``/health``: for tests, benchmarks and routers that need a real replica."""
+"""Start ``kvmosaic serve`` (or another HTTP server's command) as a child process on a free
+loopback port and wait until it answers: for tests, benchmarks and routers that need a real
+replica or peer."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -20,11 +22,19 @@ def free_port() -> int:
 
 
 class ServerProcess:
-    def __init__(self, *serve_args: str, port: int | None = None) -> None:
+    """``kvmosaic serve *serve_args``; or, with ``command``, any server's argv (``{port}`` filled
+    in), ready once ``ready_path`` answers 200."""
+
+    def __init__(self, *serve_args: str, port: int | None = None, command: list[str] | None = None,
+                 ready_path: str = "/health") -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.args = [sys.executable, "-m", "kvmosaic.cli", "serve", "--host", "127.0.0.1",
-                     "--port", str(self.port), "--log-level", "warning", *serve_args]
+        self.ready_path = ready_path
+        if command is not None:
+            self.args = [a.replace("{port}", str(self.port)) for a in command]
+        else:
+            self.args = [sys.executable, "-m", "kvmosaic.cli", "serve", "--host", "127.0.0.1",
+                         "--port", str(self.port), "--log-level", "warning", *serve_args]
         self.log = tempfile.NamedTemporaryFile("w+", prefix="kvmosaic-serve-", suffix=".log", delete=False)
         self.proc: subprocess.Popen | None = None
 
@@ -36,13 +46,14 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                if httpx.get(self.url + self.ready_path, timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass
             time.sleep(0.5)
+        output = self.output()
         self.stop()
-        raise TimeoutError(f"the server did not become healthy in {timeout} s:\n{self.output()}")
+        raise TimeoutError(f"the server did not answer {self.ready_path} in {timeout} s:\n{output}")
 
     def health(self) -> dict:
         return httpx.get(self.url + "/health", timeout=10).json()
@@ -64,7 +75,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         self.log.close()
-        os.unlink(self.log.name)
+        with contextlib.suppress(FileNotFoundError):  # stopping twice is fine
+            os.unlink(self.log.name)
 
     def __enter__(self) -> ServerProcess:
         return self if self.alive() else self.start()  # ``with proc.start():`` must not start a second one
