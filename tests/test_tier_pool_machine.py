@@ -79,7 +79,7 @@ class PoolWithTiers(RuleBasedStateMachine):
     @invariant()
     def tier_accounting_and_content(self):
         for tier in (self.through, self.back):
-            assert tier.used_bytes == sum(len(tier._entries[k]) for k in tier.keys())
+            assert tier.used_bytes == sum(len(tier._lru[k]) for k in tier.keys())
             assert tier.used_bytes <= tier.capacity_bytes
             for key in tier.keys():
                 got = self.conn.stack.load(key, self.io.meta(key, list(range(BS))))

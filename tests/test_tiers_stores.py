@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
@@ -29,6 +29,7 @@ from kvmosaic.tiers import (
     parse_size,
     parse_tier_spec,
 )
+from kvmosaic.tiers.lru import LruIndex
 
 
 def key(i: int) -> bytes:
@@ -46,6 +47,33 @@ def payload(i: int, n: int = 64) -> bytes:
 
 def value(i: int, n: int = 64) -> bytes:
     return encode_block(meta(i, n), payload(i, n))
+
+
+# -- the LRU index host and disk share ---------------------------------------------------------
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["insert", "get", "pop"]), st.integers(0, 7), st.integers(0, 120))))
+def test_lru_index_bytes_exact_and_within_budget(ops):
+    index: LruIndex[bytes] = LruIndex(300, len)
+    order: list[bytes] = []  # a model of the use order
+    for op, i, n in ops:
+        k = key(i)
+        if op == "insert":
+            evicted = index.insert(k, bytes(n))
+            if k in order:
+                order.remove(k)
+            order.append(k)
+            for victim, _ in evicted:
+                assert victim == order.pop(0)  # least recently used first
+        elif op == "get":
+            if index.get(k) is not None:
+                order.remove(k)
+                order.append(k)
+        else:
+            index.pop(k)
+            if k in order:
+                order.remove(k)
+        assert index.used_bytes == sum(len(v) for v in index.values()) <= 300
+        assert index.keys() == order
 
 
 # -- host --------------------------------------------------------------------------------------
@@ -395,10 +423,10 @@ class TierStackMachine(RuleBasedStateMachine):
 
     @invariant()
     def bytes_are_exact(self):
-        held = sum(len(v) for v in self.host._entries.values())
+        held = sum(len(v) for v in self.host._lru.values())
         assert self.host.used_bytes == held <= self.host.capacity_bytes
         files = {bytes.fromhex(p.stem): p.stat().st_size for p in Path(self.dir).rglob("*") if p.is_file()}
-        index = dict(self.disk._index)
+        index = dict(self.disk._lru)
         assert set(files) == set(index)  # no temp files, no orphans, nothing missing
         assert self.disk.used_bytes == sum(index.values()) <= self.disk.capacity_bytes
         assert all(files[k] == index[k] for k in index if k not in self.damaged)

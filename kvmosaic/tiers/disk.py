@@ -24,18 +24,17 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
-import threading
 import time
-from collections import OrderedDict
 from pathlib import Path
 
-from .base import Policy, Tier
+from .base import Policy
+from .lru import LruTier
 
 SUFFIX = ".kv"
 TMP_SUFFIX = ".tmp"
 
 
-class DiskTier(Tier):
+class DiskTier(LruTier):
     medium = "disk"
 
     def __init__(
@@ -47,12 +46,9 @@ class DiskTier(Tier):
         hit_threshold: int = 2,
         fsync: bool = True,
     ) -> None:
-        super().__init__(name, capacity_bytes, policy, hit_threshold)
+        super().__init__(capacity_bytes, int, name, policy, hit_threshold)  # entry: the file's size
         self.root = Path(path)
         self.fsync = fsync
-        self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> size, LRU first
-        self._used = 0
-        self._lock = threading.Lock()
         self.root.mkdir(parents=True, exist_ok=True)
         self.removed_temp_files = self._scan()
 
@@ -82,29 +78,14 @@ class DiskTier(Tier):
                     continue
                 found.append((st.st_mtime_ns, key, st.st_size))
         found.sort()
-        for _, key, size in found:
-            self._index[key] = size
-            self._used += size
-        self._evict_to(self.capacity_bytes)
+        victims = []
+        with self._lru.lock:  # oldest first: what does not fit is evicted oldest first
+            for _, key, size in found:
+                victims += self._lru.insert(key, size)
+            self._dropped(victims)
         return removed
 
     # -- Tier API ----------------------------------------------------------------------------
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    def __len__(self) -> int:
-        return len(self._index)
-
-    def contains(self, key: bytes) -> bool:
-        return self.contains_many([key])[0]
-
-    def contains_many(self, keys) -> list[bool]:
-        with self._lock:
-            found = [k in self._index for k in keys]
-        self.stats.add(queries=len(found), hits=sum(found))
-        return found
-
     def put(self, key: bytes, value: bytes) -> bool:
         size = len(value)
         if size > self.capacity_bytes:
@@ -119,14 +100,9 @@ class DiskTier(Tier):
                 f.flush()
                 if self.fsync:
                     os.fsync(f.fileno())
-            with self._lock:
+            with self._lru.lock:
                 os.replace(tmp, final)
-                old = self._index.pop(key, None)
-                if old is not None:
-                    self._used -= old
-                self._index[key] = size
-                self._used += size
-                self._evict_to(self.capacity_bytes)
+                self._dropped(self._lru.insert(key, size))
         except OSError:
             _unlink(tmp)
             self.stats.add(errors=1, store_rejected=1)
@@ -137,10 +113,8 @@ class DiskTier(Tier):
     def get(self, key: bytes) -> bytes | None:
         t0 = time.perf_counter()
         self.stats.add(loads=1)
-        with self._lock:
-            if key not in self._index:
-                return None
-            self._index.move_to_end(key)
+        if self._lru.get(key) is None:
+            return None
         path = self.path_for(key)
         try:
             with open(path, "rb") as f:
@@ -148,7 +122,7 @@ class DiskTier(Tier):
             with contextlib.suppress(OSError):
                 os.utime(path)  # keeps the LRU order across restarts; a read-only dir still reads
         except FileNotFoundError:
-            self._forget(key)
+            self._lru.pop(key)
             return None
         except OSError:
             self.stats.add(errors=1)
@@ -158,46 +132,24 @@ class DiskTier(Tier):
         return value
 
     def delete(self, key: bytes) -> None:
-        with self._lock:
-            if self._forget_locked(key):
+        with self._lru.lock:
+            if self._lru.pop(key) is not None:
                 _unlink(self.path_for(key))
 
     def clear(self) -> None:
-        with self._lock:
-            for key in list(self._index):
+        with self._lru.lock:
+            for key in self._lru.keys():
                 _unlink(self.path_for(key))
-            self._index.clear()
-            self._used = 0
-
-    def keys(self) -> list[bytes]:
-        """Keys from least to most recently used."""
-        with self._lock:
-            return list(self._index)
+            self._lru.clear()
 
     # -- internals ---------------------------------------------------------------------------
-    def _forget(self, key: bytes) -> None:
-        with self._lock:
-            self._forget_locked(key)
-
-    def _forget_locked(self, key: bytes) -> bool:
-        size = self._index.pop(key, None)
-        if size is None:
-            return False
-        self._used -= size
-        return True
-
-    def _evict_to(self, budget: int) -> None:
-        evicted_bytes = 0
-        victims: list[bytes] = []
-        while self._used > budget and self._index:
-            key, size = self._index.popitem(last=False)
-            self._used -= size
+    def _dropped(self, victims: list[tuple[bytes, int]]) -> None:
+        """Delete the files of entries the index evicted (under its lock); count and announce them."""
+        for key, _ in victims:
             _unlink(self.path_for(key))
-            victims.append(key)
-            evicted_bytes += size
         if victims:
-            self.stats.add(evictions=len(victims), bytes_evicted=evicted_bytes)
-            self._removed(victims)
+            self.stats.add(evictions=len(victims), bytes_evicted=sum(size for _, size in victims))
+            self._removed([key for key, _ in victims])
 
 
 def _unlink(path) -> None:
