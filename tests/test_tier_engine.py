@@ -208,6 +208,51 @@ def test_selective_write_through_stores_blocks_hit_k_times(backend, reference):
     llm.engine.close()
 
 
+def step_all(engine, prompts) -> list:
+    """Add ``prompts`` together (one batch: their loads race) and step until all finish."""
+    ids = [engine.add_request(p, PARAMS).request_id for p in prompts]
+    final = {}
+    while engine.has_unfinished_requests():
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return [final[i] for i in ids]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_racing_loads_of_the_same_blocks_leave_no_record(backend, reference, monkeypatch):
+    """Two requests that load the same blocks in one step leave nothing in the connector's
+    record of loaded blocks, whether their step commits or fails (a failed step's loads are
+    dropped when a later step loads). A host tier loads on the engine thread, so both load
+    while the step is scheduled."""
+    llm = make_llm(prefix_cache=backend, kv_tiers=["host:64MiB:write_through"])
+    engine, p, q = llm.engine, PROMPTS[0], PROMPTS[2]
+    run_all(llm, reference, [p, q])  # both stored in the host tier (write-through)
+    assert llm.reset_prefix_cache()
+    for out in step_all(engine, [p, p]):
+        check_same(out, reference[tuple(p)])
+    blocks = (len(p) - 1) // 16
+    assert engine.tiers.blocks_loaded == 2 * blocks and engine.tiers._loaded_from == {}
+
+    assert llm.reset_prefix_cache()
+    real = engine.runner.execute
+    calls = {"n": 0}
+
+    def fails_once(batch):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("simulated device fault")
+        return real(batch)
+
+    monkeypatch.setattr(engine.runner, "execute", fails_once)
+    loaded = engine.tiers.blocks_loaded
+    assert [o.finish_reason for o in step_all(engine, [p, p])] == ["error", "error"]
+    assert engine.tiers.blocks_loaded == loaded + 2 * blocks
+    assert len(engine.tiers._loaded_from) == blocks  # loaded, never indexed
+    run_all(llm, reference, [prompt(7)])  # commits, loads nothing
+    check_same(step_all(engine, [q])[0], reference[tuple(q)])  # loads: the failed step's record goes
+    assert engine.tiers._loaded_from == {}
+    llm.engine.close()
+
+
 def test_cache_events_name_the_tier_as_medium(reference):
     """A block written to a tier is announced with the tier's medium, and one the tier drops
     by its own eviction is announced removed from it: a router credits a replica per tier."""

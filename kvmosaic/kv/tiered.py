@@ -48,7 +48,16 @@ class TierConnector:
         # Cached blocks' tokens and parent hash, for a store after the block was cached
         # (write-back, selective).
         self._tokens: dict[bytes, tuple[tuple[int, ...], bytes | None]] = {}
-        self._loaded_from: dict[bytes, int] = {}  # blocks loaded, not indexed yet -> source tier
+        # Blocks loaded into the pool for the step being scheduled and not indexed yet: chain
+        # hash -> source tier (the write-through their indexing triggers skips that tier). The
+        # pool indexes one block per hash, so indexing any block under a hash completes every
+        # load of it: when two requests loaded the same block in one step, the second commit is
+        # a duplicate that never reaches on_cache, and the first one's pop covers both. The
+        # scheduler writes a step's loads before that step's commits run, so an entry still here
+        # when a later step loads was never indexed (its request failed before committing: the
+        # forward pass, a blend or a later write raised); write_block drops those then.
+        self._loaded_from: dict[bytes, int] = {}
+        self._committed_since_load = False  # on_cache ran since the last write_block
         self._lock = threading.Lock()
         self.hit_tokens = [0] * len(stack)  # tokens each tier supplied to admitted requests
         self.load_failures = 0  # blocks a lookup promised but no tier delivered verified
@@ -66,6 +75,7 @@ class TierConnector:
     def on_cache(self, block, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
         if self._back or self._selective:
             self._tokens[block_hash] = (tuple(token_ids), parent_hash)
+        self._committed_since_load = True
         src = self._loaded_from.pop(block_hash, None)
         targets = [i for i in self._through if i != src]
         if targets:
@@ -157,6 +167,9 @@ class TierConnector:
 
     def write_block(self, block_id: int, key: bytes, tier: int, payload: bytes) -> None:
         """Put a loaded payload into a pool block (the manager indexes it at the next commit)."""
+        if self._committed_since_load:  # a new step: the last commits indexed all they would
+            self._loaded_from.clear()
+            self._committed_since_load = False
         self.io.write(block_id, payload)
         self._loaded_from[key] = tier
         self.blocks_loaded += 1
