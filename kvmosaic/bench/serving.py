@@ -16,6 +16,10 @@ inter-token latency p50/p99 (gaps between content chunks after the first), outpu
 (prompt + output) tok/s over the level's wall time, cached prompt tokens
 (``usage.prompt_tokens_details.cached_tokens``), and for kvmosaic its KV pool, sampled from
 ``/health`` during the level (see :data:`POOL_NOTE`).
+
+The parts: :mod:`.serve_workloads` (requests, sizes), :mod:`.serve_client` (the load generator),
+:mod:`.serve_report` (per-level results, the table, the plots); this module starts the peers'
+servers and runs the command line. Every name it had before the split is still importable here.
 """
 
 from __future__ import annotations
@@ -26,228 +30,40 @@ import importlib.util
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 
-import numpy as np
+from .serve_client import PoolSampler, RequestResult, one_request, run_level
+from .serve_report import (
+    COLUMNS,
+    DEFINITIONS,
+    POOL_NOTE,
+    LevelResult,
+    best_peer_ratios,
+    format_ms,
+    inter_token_gaps,
+    load_label,
+    percentile,
+    plot,
+    render,
+    summarize_level,
+    table,
+)
+from .serve_workloads import FULL, QUICK, SERVE_WORKLOADS, ServeSizes, prompt_tokens, serve_requests
 
-from . import text
+__all__ = [
+    "COLUMNS", "DEFAULT_SERVE_PEERS", "DEFINITIONS", "FULL", "KVMOSAIC_SERVE", "POOL_NOTE", "QUICK", "SERVE_PEERS",
+    "SERVE_WORKLOADS", "LevelResult", "PoolSampler", "RequestResult", "ServeSizes", "ServerPeer",
+    "add_serve_arguments", "best_peer_ratios", "command_line", "export_gguf", "inter_token_gaps", "make_server_peer",
+    "one_request", "percentile", "plot", "prompt_tokens", "render", "run", "run_level", "serve_requests",
+    "summarize_level", "table", "unavailable_reason",
+]
 
 SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "transformers-serve", "llama-cpp-server")
 DEFAULT_SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "transformers-serve", "llama-cpp-server")
-SERVE_WORKLOADS = ("shared-prefix", "no-reuse")
-
-POOL_NOTE = (
-    "KV pool: *blocks used* is the peak of kvmosaic's /health kv.num_used_blocks during the level, and *pool "
-    "util.* the median over samples with requests running of kv.num_used_slots / kv.num_allocated_slots: slots "
-    "holding a computed token among the slots of the blocks running requests hold (a shared block counts "
-    "once). Servers without those fields get an estimate from client-side token counts, which can exceed 100% when "
-    "requests share blocks."
-)
-
-
-@dataclass(frozen=True)
-class ServeSizes:
-    system_words: int  # shared-prefix system prompt (750 words ~ 800 tokens with the chat template)
-    max_tokens: int
-    requests: int  # per closed-loop level: max(requests, 2 x concurrency)
-    concurrency: tuple[int, ...]
-
-
-FULL = ServeSizes(system_words=600, max_tokens=32, requests=32, concurrency=(1, 4, 16, 32))
-QUICK = ServeSizes(system_words=120, max_tokens=8, requests=4, concurrency=(1, 4))
-
-
-# ---- workloads ---------------------------------------------------------------------------------
-
-def serve_requests(workload: str, n: int, sizes: ServeSizes, seed: int, level: str) -> list[list[dict]]:
-    """``n`` chat message lists for ``workload`` at load level ``level`` (its own prompts)."""
-    rng = random.Random(f"{seed}:serve:{workload}:{level}")
-    if workload == "shared-prefix":
-        system = f"[{level}] " + text.system_prompt(rng, sizes.system_words)
-        return [[{"role": "system", "content": system}, {"role": "user", "content": text.question(rng)}]
-                for _ in range(n)]
-    if workload == "no-reuse":
-        out = []
-        for i in range(n):
-            opener = f"{rng.choice(text.NAMES)} {rng.randint(1000, 9999)} {level} {i}:"
-            out.append([{"role": "system", "content": f"{opener} {text.paragraph(rng, sizes.system_words)}"},
-                        {"role": "user", "content": text.question(rng)}])
-        return out
-    raise ValueError(f"unknown serving workload {workload!r}; choose from {', '.join(SERVE_WORKLOADS)}")
-
-
-# ---- statistics --------------------------------------------------------------------------------
-
-def percentile(values: list[float], q: float) -> float | None:
-    return float(np.percentile(values, q)) if values else None
-
-
-def inter_token_gaps(chunk_times: list[float]) -> list[float]:
-    """Gaps between consecutive content chunks (the first chunk's arrival is TTFT, not a gap)."""
-    return [b - a for a, b in zip(chunk_times, chunk_times[1:])]
-
-
-@dataclass
-class RequestResult:
-    ok: bool
-    start: float
-    ttft: float | None = None
-    e2e: float | None = None
-    chunk_times: list[float] = field(default_factory=list)  # seconds since start, content chunks
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    error: str | None = None
-
-
-@dataclass
-class LevelResult:
-    peer: str
-    workload: str
-    mode: str  # "closed" or "poisson"
-    level: float  # concurrency, or request rate (req/s) for poisson
-    requests: int
-    failed: int
-    wall_s: float
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-    ttft_p50: float | None
-    ttft_p99: float | None
-    itl_p50: float | None
-    itl_p99: float | None
-    output_tps: float
-    total_tps: float
-    blocks_used_peak: int | None = None
-    num_blocks: int | None = None
-    pool_util: float | None = None
-    errors: list[str] = field(default_factory=list)
-
-
-def summarize_level(peer: str, workload: str, mode: str, level: float, results: list[RequestResult],
-                    wall_s: float, pool: dict | None = None) -> LevelResult:
-    ok = [r for r in results if r.ok]
-    gaps = [g for r in ok for g in inter_token_gaps(r.chunk_times)]
-    prompt = sum(r.prompt_tokens for r in ok)
-    completion = sum(r.completion_tokens for r in ok)
-    pool = pool or {}
-    return LevelResult(
-        peer=peer, workload=workload, mode=mode, level=level, requests=len(ok), failed=len(results) - len(ok),
-        wall_s=wall_s, prompt_tokens=prompt, completion_tokens=completion,
-        cached_tokens=sum(r.cached_tokens for r in ok),
-        ttft_p50=percentile([r.ttft for r in ok if r.ttft is not None], 50),
-        ttft_p99=percentile([r.ttft for r in ok if r.ttft is not None], 99),
-        itl_p50=percentile(gaps, 50), itl_p99=percentile(gaps, 99),
-        output_tps=completion / wall_s if wall_s else 0.0, total_tps=(prompt + completion) / wall_s if wall_s else 0.0,
-        blocks_used_peak=pool.get("blocks_used_peak"), num_blocks=pool.get("num_blocks"), pool_util=pool.get("pool_util"),
-        errors=sorted({r.error for r in results if r.error})[:3],
-    )
-
-
-# ---- report ------------------------------------------------------------------------------------
-
-COLUMNS = ("workload", "engine", "load", "reqs", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-           "output tok/s", "total tok/s", "cached tok", "blocks used (peak/pool)", "pool util.", "x best peer tok/s")
-
-
-def _ms(v: float | None) -> str:
-    return "–" if v is None else f"{v * 1e3:,.0f}" if v >= 0.01 else f"{v * 1e3:.1f}"
-
-
-def _load(r: LevelResult) -> str:
-    return f"c={int(r.level)}" if r.mode == "closed" else f"{r.level:g} req/s"
-
-
-def best_peer_ratios(rows: list[LevelResult], reference: str) -> dict[tuple, float]:
-    """Per (workload, mode, level): the reference's total tok/s / the best other peer's."""
-    out = {}
-    for r in rows:
-        if r.peer != reference:
-            continue
-        others = [o.total_tps for o in rows if o.peer != reference and (o.workload, o.mode, o.level) == (r.workload, r.mode, r.level)
-                  and o.total_tps]
-        if others:
-            out[(r.workload, r.mode, r.level)] = r.total_tps / max(others)
-    return out
-
-
-def table(rows: list[LevelResult], reference: str = "kvmosaic-hash") -> str:
-    ratios = best_peer_ratios(rows, reference)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for r in rows:
-        share = f" ({r.cached_tokens / r.prompt_tokens:.0%})" if r.prompt_tokens else ""
-        blocks = f"{r.blocks_used_peak}/{r.num_blocks}" if r.blocks_used_peak is not None else "–"
-        util = f"{r.pool_util:.0%}" if r.pool_util is not None else "–"
-        ratio = ratios.get((r.workload, r.mode, r.level)) if r.peer == reference else None
-        reqs = f"{r.requests}" + (f" ({r.failed} failed)" if r.failed else "")
-        cells = (r.workload, r.peer, _load(r), reqs, _ms(r.ttft_p50), _ms(r.ttft_p99), _ms(r.itl_p50), _ms(r.itl_p99),
-                 f"{r.output_tps:.0f}", f"{r.total_tps:.0f}", f"{r.cached_tokens}{share}", blocks, util,
-                 "–" if ratio is None else f"{ratio:.2f}x")
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
-DEFINITIONS = """\
-- *load*: c=N is a closed loop of N clients (each sends its next request when its last one ended);
-  "R req/s" is an open loop with Poisson arrivals at R requests per second.
-- *TTFT*: from sending the request to the first streamed chunk with content, at the client.
-- *ITL*: gaps between consecutive content chunks of a request (all requests of the level pooled).
-- *output / total tok/s*: completion tokens / (prompt + completion tokens) of the level over its
-  wall time (first request sent to last response ended), token counts from each response's usage.
-- *cached tok*: sum of usage.prompt_tokens_details.cached_tokens (share of prompt tokens).
-- *x best peer tok/s*: the reference kvmosaic peer's total tok/s / the best other peer's at that load.
-"""
-
-
-def render(rows: list[LevelResult], header: dict[str, str], skipped: list[str], plots: list[str],
-           reference: str = "kvmosaic-hash") -> str:
-    parts = ["# kvmosaic bench serve", ""]
-    parts += [f"- {k}: {v}" for k, v in header.items()]
-    parts += [f"- skipped: {s}" for s in skipped]
-    parts += ["", table(rows, reference), "", "## Definitions", "", DEFINITIONS, POOL_NOTE, ""]
-    parts += [f"![{p}]({p})" for p in plots]
-    return "\n".join(parts) + "\n"
-
-
-def plot(rows: list[LevelResult], out: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    closed = [r for r in rows if r.mode == "closed"]
-    workloads = list(dict.fromkeys(r.workload for r in closed))
-    peers = list(dict.fromkeys(r.peer for r in closed))
-    cmap = plt.get_cmap("tab10")
-    paths = []
-    for metric, label, fname in (("total_tps", "total tok/s (prompt + output)", "serve_throughput.png"),
-                                 ("ttft_p50", "TTFT p50 (ms)", "serve_ttft.png")):
-        fig, axes = plt.subplots(1, max(1, len(workloads)), figsize=(6 * max(1, len(workloads)), 4.5), dpi=110, squeeze=False)
-        for ax, wl in zip(axes[0], workloads or ["(none)"]):
-            for i, peer in enumerate(peers):
-                pts = sorted((r.level, getattr(r, metric)) for r in closed if r.workload == wl and r.peer == peer
-                             and getattr(r, metric) is not None)
-                if pts:
-                    ys = [y * 1e3 if metric == "ttft_p50" else y for _, y in pts]
-                    ax.plot([x for x, _ in pts], ys, marker="osD^v"[i % 5], label=peer, color=cmap(i % 10))
-            ax.set_xscale("log", base=2)
-            ax.set_xlabel("concurrent clients (closed loop)")
-            ax.set_ylabel(label)
-            if metric == "ttft_p50":
-                ax.set_yscale("log")
-            ax.set_title(f"{wl}: {label.split(' (')[0]} against concurrency")
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(out / fname)
-        plt.close(fig)
-        paths.append(out / fname)
-    return paths
 
 
 # ---- peers -------------------------------------------------------------------------------------
@@ -358,119 +174,8 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
     raise ValueError(unavailable_reason(name) or name)
 
 
-# ---- the load generator ------------------------------------------------------------------------
-
-async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens: int) -> RequestResult:
-    kwargs = {"stream_options": {"include_usage": True}} if peer.usage_option else {}
-    start = time.perf_counter()
-    res = RequestResult(ok=False, start=start)
-    try:
-        stream = await client.chat.completions.create(
-            model=peer.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-            extra_body=peer.extra_body or None, **kwargs)
-        chunks = 0
-        async for chunk in stream:
-            now = time.perf_counter() - start
-            if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
-                res.chunk_times.append(now)
-                chunks += 1
-            if chunk.usage is not None:
-                res.prompt_tokens = chunk.usage.prompt_tokens or 0
-                res.completion_tokens = chunk.usage.completion_tokens or 0
-                details = getattr(chunk.usage, "prompt_tokens_details", None)
-                res.cached_tokens = (getattr(details, "cached_tokens", 0) or 0) if details else 0
-        res.e2e = time.perf_counter() - start
-        res.ttft = res.chunk_times[0] if res.chunk_times else None
-        res.completion_tokens = res.completion_tokens or chunks
-        res.ok = True
-    except Exception as err:  # noqa: BLE001 - counted as a failed request and reported
-        res.error = f"{type(err).__name__}: {str(err)[:200]}"
-    return res
-
-
-class PoolSampler:
-    """Samples kvmosaic's /health while a level runs (blocks in use) beside the client's view of
-    the tokens in flight, for the pool utilisation estimate of :data:`POOL_NOTE`."""
-
-    def __init__(self, url: str, block_size: int = 16, period: float = 0.25) -> None:
-        self.url, self.block_size, self.period = url, block_size, period
-        self.in_flight: dict[int, int] = {}  # request number -> prompt estimate + chunks so far
-        self.peak, self.num_blocks, self.utils = 0, None, []
-
-    async def run(self, stop: asyncio.Event) -> None:
-        import httpx
-
-        async with httpx.AsyncClient(timeout=5) as http:
-            while not stop.is_set():
-                try:
-                    kv = (await http.get(self.url + "/health")).json()["kv"]
-                    used, self.num_blocks = kv["num_used_blocks"], kv["num_blocks"]
-                    self.peak = max(self.peak, used)
-                    if kv.get("num_allocated_slots"):  # exact, from the engine
-                        self.utils.append(kv["num_used_slots"] / kv["num_allocated_slots"])
-                    elif used and sum(self.in_flight.values()):  # an estimate (see POOL_NOTE)
-                        self.utils.append(sum(self.in_flight.values()) / (used * self.block_size))
-                except (httpx.HTTPError, KeyError, ValueError):
-                    pass
-                try:
-                    await asyncio.wait_for(stop.wait(), self.period)
-                except asyncio.TimeoutError:
-                    pass
-
-    def summary(self) -> dict:
-        return {"blocks_used_peak": self.peak, "num_blocks": self.num_blocks,
-                "pool_util": float(np.median(self.utils)) if self.utils else None}
-
-
-async def run_level(peer: ServerPeer, convs: list[list[dict]], max_tokens: int, concurrency: int | None,
-                    rate: float | None, seed: int, prompt_len: list[int]) -> tuple[list[RequestResult], float, dict | None]:
-    """Closed loop at ``concurrency`` clients, or Poisson arrivals at ``rate`` req/s."""
-    from openai import AsyncOpenAI
-
-    client = AsyncOpenAI(base_url=peer.url + "/v1", api_key="unused", max_retries=0, timeout=1800)
-    sampler = PoolSampler(peer.url) if peer.kvmosaic else None
-    stop = asyncio.Event()
-    sampling = asyncio.create_task(sampler.run(stop)) if sampler else None
-    results: list[RequestResult | None] = [None] * len(convs)
-
-    async def tracked(i: int) -> None:
-        if sampler:
-            sampler.in_flight[i] = prompt_len[i]
-        results[i] = await one_request(client, peer, convs[i], max_tokens)
-        if sampler:
-            sampler.in_flight.pop(i, None)
-
-    start = time.perf_counter()
-    if rate is None:
-        queue = list(range(len(convs)))[::-1]
-
-        async def worker() -> None:
-            while queue:
-                await tracked(queue.pop())
-
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-    else:
-        rng = random.Random(f"{seed}:poisson")
-        tasks = []
-        for i in range(len(convs)):
-            tasks.append(asyncio.create_task(tracked(i)))
-            await asyncio.sleep(rng.expovariate(rate))
-        await asyncio.gather(*tasks)
-    wall = time.perf_counter() - start
-    stop.set()
-    if sampling:
-        await sampling
-    await client.close()
-    return [r for r in results if r is not None], wall, sampler.summary() if sampler else None
-
 
 # ---- command line ------------------------------------------------------------------------------
-
-def prompt_tokens(tokenizer, messages: list[dict]) -> int:
-    """The chat prompt's length in tokens (the server renders the same template)."""
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return len(tokenizer.encode(rendered, add_special_tokens=False))
-
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("bench serve (workload 'serve')")
@@ -548,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
                 rows.append(row)
                 # partial results survive an interrupted run
                 (out / "serve.partial.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
-                print(f"  {wl} {_load(row)}: {row.requests} ok, {row.failed} failed, TTFT p50 {_ms(row.ttft_p50)} ms, "
+                print(f"  {wl} {load_label(row)}: {row.requests} ok, {row.failed} failed, TTFT p50 {format_ms(row.ttft_p50)} ms, "
                       f"total {row.total_tps:.0f} tok/s, cached {row.cached_tokens}/{row.prompt_tokens}"
                       + (f"; errors: {row.errors}" if row.errors else ""), flush=True)
         except (RuntimeError, TimeoutError, OSError) as err:

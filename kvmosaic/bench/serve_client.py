@@ -1,0 +1,135 @@
+"""The load generator of ``kvmosaic bench serve`` (see :mod:`.serving`): the official ``openai``
+``AsyncOpenAI`` client, streaming, drives one peer's server at one load level (closed loop at N
+clients, or Poisson arrivals), timing each request's chunks, and samples kvmosaic's KV pool from
+``/health`` meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from .serving import ServerPeer
+
+
+@dataclass
+class RequestResult:
+    ok: bool
+    start: float
+    ttft: float | None = None
+    e2e: float | None = None
+    chunk_times: list[float] = field(default_factory=list)  # seconds since start, content chunks
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens: int) -> RequestResult:
+    kwargs = {"stream_options": {"include_usage": True}} if peer.usage_option else {}
+    start = time.perf_counter()
+    res = RequestResult(ok=False, start=start)
+    try:
+        stream = await client.chat.completions.create(
+            model=peer.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+            extra_body=peer.extra_body or None, **kwargs)
+        chunks = 0
+        async for chunk in stream:
+            now = time.perf_counter() - start
+            if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
+                res.chunk_times.append(now)
+                chunks += 1
+            if chunk.usage is not None:
+                res.prompt_tokens = chunk.usage.prompt_tokens or 0
+                res.completion_tokens = chunk.usage.completion_tokens or 0
+                details = getattr(chunk.usage, "prompt_tokens_details", None)
+                res.cached_tokens = (getattr(details, "cached_tokens", 0) or 0) if details else 0
+        res.e2e = time.perf_counter() - start
+        res.ttft = res.chunk_times[0] if res.chunk_times else None
+        res.completion_tokens = res.completion_tokens or chunks
+        res.ok = True
+    except Exception as err:  # noqa: BLE001 - counted as a failed request and reported
+        res.error = f"{type(err).__name__}: {str(err)[:200]}"
+    return res
+
+
+class PoolSampler:
+    """Samples kvmosaic's /health while a level runs (blocks in use) beside the client's view of
+    the tokens in flight, for the pool utilisation estimate of :data:`.serve_report.POOL_NOTE`."""
+
+    def __init__(self, url: str, block_size: int = 16, period: float = 0.25) -> None:
+        self.url, self.block_size, self.period = url, block_size, period
+        self.in_flight: dict[int, int] = {}  # request number -> prompt estimate + chunks so far
+        self.peak, self.num_blocks, self.utils = 0, None, []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        import httpx
+
+        async with httpx.AsyncClient(timeout=5) as http:
+            while not stop.is_set():
+                try:
+                    kv = (await http.get(self.url + "/health")).json()["kv"]
+                    used, self.num_blocks = kv["num_used_blocks"], kv["num_blocks"]
+                    self.peak = max(self.peak, used)
+                    if kv.get("num_allocated_slots"):  # exact, from the engine
+                        self.utils.append(kv["num_used_slots"] / kv["num_allocated_slots"])
+                    elif used and sum(self.in_flight.values()):  # an estimate (see serve_report.POOL_NOTE)
+                        self.utils.append(sum(self.in_flight.values()) / (used * self.block_size))
+                except (httpx.HTTPError, KeyError, ValueError):
+                    pass
+                try:
+                    await asyncio.wait_for(stop.wait(), self.period)
+                except asyncio.TimeoutError:
+                    pass
+
+    def summary(self) -> dict:
+        return {"blocks_used_peak": self.peak, "num_blocks": self.num_blocks,
+                "pool_util": float(np.median(self.utils)) if self.utils else None}
+
+
+async def run_level(peer: ServerPeer, convs: list[list[dict]], max_tokens: int, concurrency: int | None,
+                    rate: float | None, seed: int, prompt_len: list[int]) -> tuple[list[RequestResult], float, dict | None]:
+    """Closed loop at ``concurrency`` clients, or Poisson arrivals at ``rate`` req/s."""
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(base_url=peer.url + "/v1", api_key="unused", max_retries=0, timeout=1800)
+    sampler = PoolSampler(peer.url) if peer.kvmosaic else None
+    stop = asyncio.Event()
+    sampling = asyncio.create_task(sampler.run(stop)) if sampler else None
+    results: list[RequestResult | None] = [None] * len(convs)
+
+    async def tracked(i: int) -> None:
+        if sampler:
+            sampler.in_flight[i] = prompt_len[i]
+        results[i] = await one_request(client, peer, convs[i], max_tokens)
+        if sampler:
+            sampler.in_flight.pop(i, None)
+
+    start = time.perf_counter()
+    if rate is None:
+        queue = list(range(len(convs)))[::-1]
+
+        async def worker() -> None:
+            while queue:
+                await tracked(queue.pop())
+
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+    else:
+        rng = random.Random(f"{seed}:poisson")
+        tasks = []
+        for i in range(len(convs)):
+            tasks.append(asyncio.create_task(tracked(i)))
+            await asyncio.sleep(rng.expovariate(rate))
+        await asyncio.gather(*tasks)
+    wall = time.perf_counter() - start
+    stop.set()
+    if sampling:
+        await sampling
+    await client.close()
+    return [r for r in results if r is not None], wall, sampler.summary() if sampler else None
