@@ -241,6 +241,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(as `kvmosaic serve --kv-tier`; repeatable)")
     p.add_argument("--dtype", default="auto", help="the serving engine's dtype (names its blocks, with --kv-tier)")
     p.add_argument("--hash-algo", default=DEFAULT_HASH_ALGO, help="the serving engine's hash_algo (with --kv-tier)")
+    p.add_argument("--quantization", default=None, choices=["int8"],
+                   help="the serving engine's --quantization (names its blocks, with --kv-tier)")
 
 
 def load_tokenizer_only(model: str | None):
@@ -275,10 +277,12 @@ def run(args: argparse.Namespace) -> int:
 
         from .engine.config import auto_dtype
         from .model.loader import weights_fingerprint
+        from .model.quant import quantized_fingerprint
         from .tiers import build_tiers
 
         dtype = auto_dtype(torch.device("cpu")) if args.dtype == "auto" else args.dtype
-        seed = make_seed(weights_fingerprint(args.model), dtype, args.block_size, args.hash_algo)
+        fingerprint = quantized_fingerprint(weights_fingerprint(args.model), args.quantization)
+        seed = make_seed(fingerprint, dtype, args.block_size, args.hash_algo)
         query = encode(load_prompt_arg(args.prompts[0]), 0)
         stack = TierStack(build_tiers(args.kv_tiers))
         try:

@@ -6,11 +6,11 @@ from .peer_api import Generation, PeerSettings, clock
 
 
 class KvmosaicPeer:
-    def __init__(self, prefix_cache: str, settings: PeerSettings) -> None:
+    def __init__(self, prefix_cache: str, settings: PeerSettings, quantization: str | None = None) -> None:
         from kvmosaic import LLM
 
         self.llm = LLM(model=settings.model_path, prefix_cache=prefix_cache, dtype=settings.dtype,
-                       num_threads=settings.threads)
+                       num_threads=settings.threads, quantization=quantization)
 
     def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
         from kvmosaic import SamplingParams

@@ -14,9 +14,12 @@ from .peer_api import Generation, PeerSettings, clock
 __all__ = ["ALL_PEERS", "DEFAULT_PEERS", "QUICK_PEERS", "Generation", "PeerSettings", "clock", "import_libraries", "make_peer",
            "unavailable_reason"]
 
-KVMOSAIC_CACHES = {"kvmosaic-none": "none", "kvmosaic-hash": "hash", "kvmosaic-radix": "radix"}
+KVMOSAIC_CACHES = {"kvmosaic-none": "none", "kvmosaic-hash": "hash", "kvmosaic-radix": "radix",
+                   "kvmosaic-hash-int8": "hash"}
+# Opt-in configurations: weight-only int8 (model/quant.py) is not kvmosaic's default numerics.
+KVMOSAIC_QUANTIZATION = {"kvmosaic-hash-int8": "int8"}
 ALL_PEERS = (*KVMOSAIC_CACHES, "transformers", "transformers-prompt-cache", "transformers-cb", "llama-cpp-ramcache")
-DEFAULT_PEERS = ALL_PEERS
+DEFAULT_PEERS = tuple(p for p in ALL_PEERS if p not in KVMOSAIC_QUANTIZATION)
 # --quick is a smoke test that must finish in a minute (measured: 55 s for `kvmosaic bench all
 # --quick` on the 2-core machine; 69 s with kvmosaic-radix too): each peer is a process that loads
 # the model, so it runs the cache on and off, and transformers, the peer every user has.
@@ -54,7 +57,7 @@ def make_peer(name: str, settings: PeerSettings):
     if name in KVMOSAIC_CACHES:
         from .peer_kvmosaic import KvmosaicPeer
 
-        return KvmosaicPeer(KVMOSAIC_CACHES[name], settings)
+        return KvmosaicPeer(KVMOSAIC_CACHES[name], settings, KVMOSAIC_QUANTIZATION.get(name))
     if name == "transformers-cb":
         from .peer_transformers_cb import TransformersCBPeer
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from ..model.config import DTYPES
+from ..model.quant import QUANTIZATIONS
 
 PREFIX_CACHES = ("hash", "radix", "none")
 
@@ -41,6 +42,9 @@ class EngineConfig:
     eviction_policy: str = "lru"
     enable_kv_events: bool = False
     num_threads: int | None = None
+    # Weight-only quantization (model/quant.py): None, or "int8" (per-channel int8 projections and
+    # LM head; faster decode on CPU, outputs within a measured tolerance of the float model).
+    quantization: str | None = None
     # Segment reuse (issue 6): "off" | "shift" (re-position only) | "blend" (+ selective recompute)
     segment_reuse: str = "off"
     blend_ratio: float = 0.15  # fraction of reused segment tokens recomputed
@@ -69,6 +73,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "lpm"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
         from ..blend.blender import BlendOptions  # validates the segment reuse fields

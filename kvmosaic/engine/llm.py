@@ -21,6 +21,8 @@ class LLM:
         config = EngineConfig(model=model, **kwargs)
         if kwargs.get("dtype", "auto") == "auto":
             log.info("dtype auto: %s on %s", config.dtype, config.torch_device)
+        if config.quantization:
+            log.info("weights: %s weight-only (model/quant.py)", config.quantization)
         self.engine = LLMEngine(config)
 
     @property

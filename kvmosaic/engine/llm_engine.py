@@ -80,6 +80,7 @@ class ModelInfo:
     kv_bytes_per_token: int
     seed: bytes
     prefix_cache: str
+    quantization: str | None = None  # weight-only quantization (model/quant.py); in ``fingerprint`` too
 
 
 def make_cache_manager(config: EngineConfig, pool: BlockPool, seed: bytes) -> KVCacheManager:
@@ -98,7 +99,7 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
-        bundle = load_model_bundle(config.model, config.dtype, str(self.device))
+        bundle = load_model_bundle(config.model, config.dtype, str(self.device), config.quantization)
         self.model, self.tokenizer = bundle.model, bundle.tokenizer
         self.model_name, self.model_config = bundle.name, bundle.config
         self.model_fingerprint = bundle.fingerprint
@@ -124,7 +125,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id, self.max_model_len)
         self.model_info = ModelInfo(self.model_name, self.model_fingerprint, config.dtype, config.block_size,
                                     config.hash_algo, self.max_model_len, num_blocks, self.kv.bytes_per_token,
-                                    seed, config.prefix_cache)
+                                    seed, config.prefix_cache, config.quantization)
         self.tiers = None  # storage tiers below the pool (kvmosaic/kv/tiered.py)
         if config.kv_tiers and config.prefix_cache != "none":
             self._attach_tiers(config)

@@ -9,15 +9,21 @@ from .config import DTYPES, ModelConfig
 from .llama import LlamaForCausalLM
 from .loader import LoadedWeights, load_weights, shipped_model_path
 from .packed_linear import packing_supported
+from .quant import QUANTIZATIONS, quantize_int8, quantized_fingerprint
 from .tokenizer import load_tokenizer
 
 __all__ = [
     "ModelConfig", "LlamaForCausalLM", "LoadedWeights", "ModelBundle",
-    "load_weights", "shipped_model_path", "build_model", "load_model_bundle",
+    "load_weights", "shipped_model_path", "build_model", "load_model_bundle", "QUANTIZATIONS",
 ]
 
 
-def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.device = "cpu") -> LlamaForCausalLM:
+def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.device = "cpu",
+                quantization: str | None = None) -> LlamaForCausalLM:
+    """The model in ``dtype`` on ``device``; ``quantization="int8"`` stores its projections and
+    LM head as int8 weights (model/quant.py), else CPU bfloat16 weights are pre-packed."""
+    if quantization is not None and quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
     with torch.device("meta"):
         model = LlamaForCausalLM(weights.config)
     model = model.to_empty(device=device)
@@ -26,7 +32,9 @@ def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.
     model.load_hf_tensors(weights.tensors)
     model.to(dtype)
     model.rotary.float()  # RoPE tables stay float32, as in transformers
-    if packing_supported(dtype, torch.device(device)):
+    if quantization == "int8":
+        quantize_int8(model)
+    elif packing_supported(dtype, torch.device(device)):
         model.pack_linears()
     return model.eval()
 
@@ -39,13 +47,14 @@ class ModelBundle:
     model: LlamaForCausalLM
     tokenizer: object
     config: ModelConfig
-    fingerprint: str
+    fingerprint: str  # of the weights as computed with: quantization included
     name: str
 
 
 @functools.lru_cache(maxsize=2)
-def load_model_bundle(model: str | None, dtype: str, device: str) -> ModelBundle:
+def load_model_bundle(model: str | None, dtype: str, device: str, quantization: str | None = None) -> ModelBundle:
     weights = load_weights(model)
-    built = build_model(weights, DTYPES[dtype], device)
+    built = build_model(weights, DTYPES[dtype], device, quantization)
     tokenizer = load_tokenizer(weights.tokenizer_dir, weights.gguf_file)
-    return ModelBundle(built, tokenizer, weights.config, weights.fingerprint, weights.name)
+    fingerprint = quantized_fingerprint(weights.fingerprint, quantization)
+    return ModelBundle(built, tokenizer, weights.config, fingerprint, weights.name)

@@ -23,32 +23,40 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # One fused op, bit-identical to the general path below (checked in tests).
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables in float32 for every position up to ``max_positions``."""
+    """cos/sin tables in float32 for every position up to ``max_positions``. The sin table is
+    stored with the first half negated, so that :func:`apply_rope` rotates with one ``roll``."""
 
     def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
+        sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        self.register_buffer("signed_sin", emb.sin() * sign, persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
+        return self.cos[positions].to(dtype)[:, None, :], self.signed_sin[positions].to(dtype)[:, None, :]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """transformers' rotation of each (first half, second half) pair (blend/rope.py uses it)."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    return x * cos + rotate_half(x) * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` as in transformers, bit for bit: ``rotate_half(x)`` is
+    ``cat(-x2, x1)``, which is ``roll(x, D/2)`` with the first half's sign moved into the table."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class DecoderLayer(nn.Module):
@@ -63,14 +71,15 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.split = (q, kv, kv)
+        self.split_qk_v = (q + kv, kv)
         self.scale = cfg.head_dim**-0.5
 
     def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Normed input -> rotated q ``[T, H, D]``, rotated k and v ``[T, Hkv, D]``."""
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(self.split, dim=-1)
-        q = apply_rope(q.view(-1, self.num_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(-1, self.num_kv_heads, self.head_dim), cos, sin)
+        """Normed input -> rotated q ``[T, H, D]``, rotated k and v ``[T, Hkv, D]`` (q and k are
+        rotated together: one set of elementwise ops per layer, not two)."""
+        qk, v = self.qkv_proj(self.input_layernorm(x)).split(self.split_qk_v, dim=-1)
+        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
         return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -95,7 +104,7 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.packed_head: nn.Module | None = None  # set by pack_linears
+        self.head_proj: nn.Module | None = None  # replaces the plain head product: pack_linears, quant.py
 
     @property
     def output_weight(self) -> torch.Tensor:
@@ -103,7 +112,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head, in float32 logits."""
-        head = self.packed_head
+        head = self.head_proj
         h = self.norm(hidden)
         return (head(h) if head is not None else F.linear(h, self.output_weight)).float()
 
@@ -119,8 +128,8 @@ class LlamaForCausalLM(nn.Module):
                 if packed is not None:
                     setattr(layer, name, packed)
                     count += 1
-        self.packed_head = try_pack(self.output_weight)
-        return count + (self.packed_head is not None)
+        self.head_proj = try_pack(self.output_weight)
+        return count + (self.head_proj is not None)
 
     @torch.inference_mode()
     def forward(

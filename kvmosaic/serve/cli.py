@@ -26,7 +26,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     keys = ("model", "dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_model_len",
-            "max_num_seqs", "max_num_batched_tokens", "prefix_cache", "scheduling_policy", "num_threads")
+            "max_num_seqs", "max_num_batched_tokens", "prefix_cache", "scheduling_policy", "num_threads", "quantization")
     out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
     out.setdefault("num_threads", 1)
     return out

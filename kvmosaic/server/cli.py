@@ -10,7 +10,7 @@ import argparse
 import logging
 import re
 
-from ..engine.config import PREFIX_CACHES, EngineConfig
+from ..engine.config import PREFIX_CACHES, QUANTIZATIONS, EngineConfig
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
 
@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                    help="auto: bfloat16 where the hardware computes it natively, else float32")
     e.add_argument("--device", default="auto")
+    e.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                   help="int8: weight-only int8 projections and LM head (faster CPU decode; outputs "
+                        "within a measured tolerance of the unquantized model, see BENCHMARKS.md)")
     e.add_argument("--prefix-cache", default="hash", choices=PREFIX_CACHES)
     e.add_argument("--block-size", type=int, default=16)
     e.add_argument("--kv-cache-memory", type=memory_size, default=memory_size("1G"), help="KV pool size, e.g. 1G")
@@ -123,12 +126,13 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache=args.prefix_cache,
         scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
-        enable_kv_events=args.kv_events_endpoint is not None, segment_reuse=args.segment_reuse,
+        quantization=args.quantization, enable_kv_events=args.kv_events_endpoint is not None, segment_reuse=args.segment_reuse,
         blend_ratio=args.blend_ratio, blend_threshold=args.blend_threshold,
         blend_check_layer=args.blend_check_layer, segment_separator=args.segment_separator,
         kv_tiers=args.kv_tiers, kv_tier_load_timeout=args.kv_tier_load_timeout)
     print(f"loading {args.model or 'the shipped model'} ({config.dtype}"
-          f"{', chosen by --dtype auto' if args.dtype == 'auto' else ''}) ...", flush=True)
+          f"{', chosen by --dtype auto' if args.dtype == 'auto' else ''}"
+          f"{', int8 weight-only' if config.quantization == 'int8' else ''}) ...", flush=True)
     engine = LLMEngine(config)
     model_name = args.served_model_name or engine.model_name
     publisher = None
