@@ -34,7 +34,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="a benchmark workload (docs/ARCHITECTURE.md), all, serve (the serving benchmark) or batch-16 "
                         "(16 shared-prefix prompts submitted together)")
     p.add_argument("--peers", default=None,
-                   help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all; with --quick: "
+                   help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all but kvmosaic-hash-int8; with --quick: "
                         f"{', '.join(QUICK_PEERS)}); "
                         f"for serve: {', '.join(SERVE_PEERS)}")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")

@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import platform
+import shlex
 import subprocess
 import sys
 import time
@@ -144,7 +145,8 @@ tok.save_pretrained({str(folder)!r})
     return folder
 
 
-def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str | None) -> ServerPeer:
+def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str | None,
+                     kvmosaic_args: str = "") -> ServerPeer:
     from kvmosaic.model.loader import shipped_model_path
 
     gguf = Path(model_path or shipped_model_path())
@@ -153,6 +155,7 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
                 "--log-level", "warning", "--prefix-cache", KVMOSAIC_SERVE[name], "--dtype", dtype]
         argv += ["--num-threads", str(threads)] if threads else []
         argv += ["--model", str(gguf)] if model_path else []
+        argv += shlex.split(kvmosaic_args)
         return ServerPeer(name, argv, {"ignore_eos": True}, usage_option=True, kvmosaic=True)
     if name == "transformers-serve":
         exe = str(Path(sys.executable).with_name("transformers"))
@@ -185,6 +188,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--requests", type=int, default=None, help="requests per level (default 32, quick 4; at least the concurrency)")
     g.add_argument("--serve-workloads", default=",".join(SERVE_WORKLOADS), help=f"from: {', '.join(SERVE_WORKLOADS)}")
     g.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 32, quick 8)")
+    g.add_argument("--kvmosaic-args", default="", metavar="ARGS",
+                   help="more `kvmosaic serve` flags for the kvmosaic peers, e.g. \"--max-num-batched-tokens 512\"")
 
 
 def command_line(args: argparse.Namespace, peers: str) -> str:
@@ -196,6 +201,7 @@ def command_line(args: argparse.Namespace, peers: str) -> str:
     parts += ["--max-tokens", str(args.max_tokens)] if args.max_tokens else []
     parts += ["--threads", str(args.threads)] if args.threads else []
     parts += ["--seed", str(args.seed)] if args.seed else []
+    parts += ["--kvmosaic-args", shlex.quote(args.kvmosaic_args)] if args.kvmosaic_args else []
     return " ".join(parts)
 
 
@@ -237,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
     peer_times: dict[str, float] = {}
     for name in names:
         t0 = time.perf_counter()
-        peer = make_server_peer(name, args.dtype, args.threads, args.model)
+        peer = make_server_peer(name, args.dtype, args.threads, args.model, args.kvmosaic_args)
         try:
             print(f"starting {name} ...", flush=True)
             peer.start()

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 QUANTIZATIONS = ("int8",)
-GEMV_MAX_ROWS = 16  # measured on an AVX2 EPYC: the int8 GEMV beats a float32 GEMM up to ~16 rows
+GEMV_MAX_ROWS = 64  # measured on an AVX2 EPYC: the int8 GEMV beats the cast-weight GEMM up to ~100 rows
 
 
 def quantized_fingerprint(weights_fingerprint: str, quantization: str | None) -> str:
