@@ -41,3 +41,56 @@ def test_explicit_mask_for_scattered_queries():
     meta = AttentionMetadata(q_pos, [PrefillSpan(0, len(q_pos), torch.arange(n), mask)])
     out = paged_attention(q, pool_k, pool_v, meta, 0.25)
     torch.testing.assert_close(out.double(), reference(q, pool_k, pool_v, q_pos, 0.25), atol=1e-5, rtol=0)
+
+
+def _decode_meta(ctxs: list[torch.Tensor], shared=()):
+    from kvmosaic.model.attention import DecodeBatch
+
+    lens = torch.tensor([len(c) for c in ctxs])
+    padded = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)
+    mask = (torch.arange(padded.shape[1])[None, :] < lens[:, None])[:, None, None, :]
+    return AttentionMetadata(torch.arange(len(ctxs)), [], DecodeBatch(torch.arange(len(ctxs)), padded, mask, list(shared)))
+
+
+@pytest.mark.parametrize("prefix_len", [1, 64, 300])
+def test_cascade_decode_equals_plain_decode(prefix_len):
+    """Decodes sharing a prefix: the prefix attended once (cascade) and each tail on its own,
+    merged by log-sum-exp, equals every sequence attending its whole context — and a float64
+    softmax(QK^T)V. Two groups, one sequence outside both, tails of different lengths."""
+    from kvmosaic.model.attention import SharedPrefix
+
+    torch.manual_seed(prefix_len)
+    heads, kv_heads, d, pool = 9, 3, 64, 4000
+    pool_k, pool_v = torch.randn(pool, kv_heads, d), torch.randn(pool, kv_heads, d)
+    slots = torch.randperm(pool)
+    prefix_a, prefix_b = slots[:prefix_len], slots[prefix_len : 2 * prefix_len]
+    tails = [slots[1000 + 50 * i : 1000 + 50 * i + n] for i, n in enumerate([1, 7, 33, 2, 19, 40])]
+    heads_of = [prefix_a, prefix_a, prefix_a, prefix_b, prefix_b, prefix_a[:0]]
+    full = [torch.cat((h, t)) for h, t in zip(heads_of, tails)]
+    q = torch.randn(len(full), heads, d)
+    plain = paged_attention(q, pool_k, pool_v, _decode_meta(full), 0.125)
+    groups = [SharedPrefix(prefix_a, torch.tensor([0, 1, 2])), SharedPrefix(prefix_b, torch.tensor([3, 4]))]
+    cascade = paged_attention(q, pool_k, pool_v, _decode_meta(tails, groups), 0.125)
+    torch.testing.assert_close(cascade, plain, atol=1e-6, rtol=0)
+    for i, ctx in enumerate(full):
+        ref = reference(q[i : i + 1], pool_k[ctx], pool_v[ctx], torch.tensor([len(ctx) - 1]), 0.125)
+        torch.testing.assert_close(cascade[i : i + 1].double(), ref, atol=1e-5, rtol=0)
+
+
+def test_shared_prefixes_groups_rows_by_their_common_leading_blocks():
+    from kvmosaic.engine.model_runner import shared_prefixes
+
+    tables = [
+        [5, 6, 7, 8, 20],   # 0: shares 5 6 7 with 1 and 2
+        [5, 6, 7, 9],       # 1
+        [5, 6, 7, 8, 21],   # 2
+        [30, 31, 32],       # 3: alone
+        [40, 41, 42, 43],   # 4: shares 40 41 42 with 5, cut to leave 5 a token of its own
+        [40, 41, 42, 43],   # 5
+        [],                 # 6: no blocks yet
+    ]
+    ctx = [70, 60, 66, 40, 64, 49, 0]
+    assert shared_prefixes(tables, ctx, 16, 1) == [(3, [0, 1, 2]), (3, [4, 5])]
+    assert shared_prefixes(tables, ctx, 16, 4) == []
+    assert shared_prefixes([[1, 2], [1, 2]], [17, 17], 16, 1) == [(1, [0, 1])]
+    assert shared_prefixes([[1, 2], [1, 2]], [16, 17], 16, 1) == []

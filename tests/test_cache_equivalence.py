@@ -96,3 +96,24 @@ def test_full_hit_identical_prompt(tokenizer):
     assert first.token_ids == second.token_ids
     third = llm.generate([ids + [7]], params)[0]
     assert third.num_cached_tokens == 48
+
+
+def test_cascade_decode_of_a_shared_prefix_equals_cache_off(tokenizer, monkeypatch):
+    """Requests sharing a 6-block prefix decode together through cascade attention (the prefix
+    attended once for all of them): outputs equal the cache-off engine's, where nothing is shared."""
+    import kvmosaic.model.attention as attention
+
+    calls = []
+    cascade = attention._cascade_decode_attention
+    monkeypatch.setattr(attention, "_cascade_decode_attention", lambda *a: calls.append(1) or cascade(*a))
+    rng = random.Random(3)
+    prefix = [rng.randrange(100, 49000) for _ in range(100)]
+    prompts = [prefix + [rng.randrange(100, 49000) for _ in range(rng.randint(1, 20))] for _ in range(6)]
+    off_outs, off_logits = run(make_llm(enable_prefix_caching=False), prompts, 8, batched=True)
+    assert not calls
+    on_outs, on_logits = run(make_llm(), prompts, 8, batched=True)
+    assert calls, "shared-prefix decodes must take the cascade path"
+    for a, b, la, lb in zip(off_outs, on_outs, off_logits, on_logits):
+        assert a.token_ids == b.token_ids
+        for x, y in zip(la, lb):
+            assert (x - y).abs().max().item() < 1e-4

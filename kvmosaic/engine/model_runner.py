@@ -7,9 +7,13 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.paged import PagedKVCache
-from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, prefill_mask
+from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefix, prefill_mask
 from ..model.llama import LlamaForCausalLM
 from .scheduler import ScheduledSeq
+
+# Cascade decode attention (model/attention.py) for a prefix shared by at least two decodes and
+# at least this many blocks long; shorter ones cost more in extra kernel calls than they save.
+CASCADE_MIN_BLOCKS = 4
 
 
 @dataclass
@@ -28,7 +32,7 @@ class ModelRunner:
         """Build the packed inputs; ``batch`` pairs each scheduled sequence with its table."""
         ids, pos, slot_map, logits_index, sampling = [], [], [], [], []
         prefills: list[PrefillSpan] = []
-        dec_index, dec_slots = [], []
+        dec_index, dec_slots, dec_tables = [], [], []
         t = 0
         for s, table in batch:
             start, n = s.seq.num_computed_tokens, s.num_new_tokens
@@ -40,6 +44,7 @@ class ModelRunner:
             if n == 1:
                 dec_index.append(t)
                 dec_slots.append(slots)
+                dec_tables.append(table)
             else:
                 prefills.append(PrefillSpan(t, t + n, slots, prefill_mask(n, end)))
             t += n
@@ -48,14 +53,23 @@ class ModelRunner:
                 sampling.append(s)
         decode = None
         if dec_index:
-            lens = torch.tensor([len(x) for x in dec_slots])
-            padded = torch.nn.utils.rnn.pad_sequence(dec_slots, batch_first=True)
-            mask = None
-            if int(lens.min()) != padded.shape[1]:
-                mask = (torch.arange(padded.shape[1])[None, :] < lens[:, None])[:, None, None, :]
-            decode = DecodeBatch(torch.tensor(dec_index), padded, mask)
+            decode = self._decode_batch(dec_index, dec_slots, dec_tables)
         meta = AttentionMetadata(torch.cat(slot_map), prefills, decode)
         return torch.tensor(ids, dtype=torch.long), torch.cat(pos), meta, torch.tensor(logits_index, dtype=torch.long), sampling
+
+    def _decode_batch(self, index: list[int], slots: list[torch.Tensor], tables: list[list[int]]) -> DecodeBatch:
+        bs = self.kv.block_size
+        shared = []
+        for num_blocks, members in shared_prefixes(tables, [len(x) for x in slots], bs, CASCADE_MIN_BLOCKS):
+            shared.append(SharedPrefix(slots[members[0]][: num_blocks * bs], torch.tensor(members)))
+            for i in members:
+                slots[i] = slots[i][num_blocks * bs :]
+        lens = torch.tensor([len(x) for x in slots])
+        padded = torch.nn.utils.rnn.pad_sequence(slots, batch_first=True)
+        mask = None
+        if int(lens.min()) != padded.shape[1]:
+            mask = (torch.arange(padded.shape[1])[None, :] < lens[:, None])[:, None, None, :]
+        return DecodeBatch(torch.tensor(index), padded, mask, shared)
 
     def execute(self, batch: list[tuple[ScheduledSeq, list[int]]]) -> StepResult:
         ids, pos, meta, logits_index, sampling = self.prepare(batch)
@@ -67,9 +81,41 @@ class ModelRunner:
         return StepResult(logits, sampling)
 
 
+def shared_prefixes(tables: list[list[int]], ctx_lens: list[int], block_size: int,
+                    min_blocks: int) -> list[tuple[int, list[int]]]:
+    """Groups of decode rows whose block tables begin with the same blocks: ``(number of
+    shared blocks, rows)`` for each group of two or more sharing at least ``min_blocks``.
+
+    Rows are grouped by their first block; a group shares the longest run of leading blocks
+    common to all its rows, cut so that those blocks lie wholly inside every row's context and
+    every row keeps at least one token of its own. Attending the shared slots once is then the
+    same attention as each row attending them: they are the same memory.
+    """
+    by_first: dict[int, list[int]] = {}
+    for i, table in enumerate(tables):
+        if table:
+            by_first.setdefault(table[0], []).append(i)
+    groups = []
+    for rows in by_first.values():
+        if len(rows) < 2:
+            continue
+        common = min((ctx_lens[i] - 1) // block_size for i in rows)
+        first = tables[rows[0]]
+        for i in rows[1:]:
+            table = tables[i]
+            n = 0
+            while n < common and table[n] == first[n]:
+                n += 1
+            common = n
+        if common >= min_blocks:
+            groups.append((common, rows))
+    return groups
+
+
 def _to_device(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
     mv = lambda x: None if x is None else x.to(dev, non_blocking=True)  # noqa: E731
     prefills = [PrefillSpan(p.start, p.end, mv(p.ctx_slots), mv(p.mask)) for p in meta.prefills]
     d = meta.decode
-    decode = None if d is None else DecodeBatch(mv(d.token_index), mv(d.ctx_slots), mv(d.mask))
+    decode = None if d is None else DecodeBatch(
+        mv(d.token_index), mv(d.ctx_slots), mv(d.mask), [SharedPrefix(mv(p.slots), mv(p.members)) for p in d.shared])
     return AttentionMetadata(mv(meta.slot_mapping), prefills, decode)

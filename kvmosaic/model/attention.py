@@ -10,6 +10,14 @@ runner describes how they split into sequences with :class:`AttentionMetadata`:
 
 Each sequence's context (cached tokens plus the new ones) is gathered from the pool through
 its slots, so a cached prefix and freshly written KV are read the same way.
+
+Decodes that share a cached prefix (the same pool blocks at the head of their block tables,
+e.g. one system prompt hit by every request) use cascade attention, as vLLM and FlashInfer
+call it: the prefix's K/V is gathered once and attended by all their queries in one matrix
+product, each sequence's own tail separately, and the two softmaxes are merged through their
+log-sum-exps. It is the same attention (float32 logits within 1e-6 of the plain path, tested
+in ``tests/test_attention.py``); it saves reading the prefix once per sequence, which is most
+of a batched decode step's attention time on a CPU.
 """
 
 from __future__ import annotations
@@ -42,10 +50,22 @@ class PrefillSpan:
 
 
 @dataclass
+class SharedPrefix:
+    """Decode sequences (``members``, rows of the decode batch) whose contexts all begin with
+    the KV at ``slots``: attended once for all of them (cascade attention)."""
+
+    slots: torch.Tensor  # [prefix_len]
+    members: torch.Tensor  # [n >= 2]
+
+
+@dataclass
 class DecodeBatch:
     token_index: torch.Tensor  # [B] position of each decode token in the flat batch
-    ctx_slots: torch.Tensor  # [B, max_ctx] padded with slot 0
+    # [B, max_ctx] padded with slot 0: each sequence's context, or, for a member of a shared
+    # prefix, the part after it (never empty: the decode token itself is there)
+    ctx_slots: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool, None when no padding
+    shared: list[SharedPrefix] = field(default_factory=list)
 
 
 @dataclass
@@ -75,14 +95,56 @@ def paged_attention(
         # One query per sequence: CPU kernels are far faster in float32 here (bfloat16 runs
         # a slow path for q_len == 1), and the context read is small, so upcast.
         up = torch.float32 if q.device.type == "cpu" else q.dtype
-        b, n = d.ctx_slots.shape
-        slots = d.ctx_slots.reshape(-1)
-        qd = q.index_select(0, d.token_index).unsqueeze(2).to(up)  # [B, H, 1, D]
-        k = k_cache.index_select(0, slots).to(up).view(b, n, *k_cache.shape[1:]).transpose(1, 2)
-        v = v_cache.index_select(0, slots).to(up).view(b, n, *v_cache.shape[1:]).transpose(1, 2)
-        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale, enable_gqa=True)
-        out.index_copy_(0, d.token_index, o.squeeze(2).to(q.dtype))
+        if d.shared:
+            o = _cascade_decode_attention(q.index_select(0, d.token_index).to(up), k_cache, v_cache, d, scale)
+        else:
+            b, n = d.ctx_slots.shape
+            slots = d.ctx_slots.reshape(-1)
+            qd = q.index_select(0, d.token_index).unsqueeze(2).to(up)  # [B, H, 1, D]
+            k = k_cache.index_select(0, slots).to(up).view(b, n, *k_cache.shape[1:]).transpose(1, 2)
+            v = v_cache.index_select(0, slots).to(up).view(b, n, *v_cache.shape[1:]).transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=d.mask, scale=scale, enable_gqa=True).squeeze(2)
+        out.index_copy_(0, d.token_index, o.to(q.dtype))
     return out
+
+
+def _cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                              d: DecodeBatch, scale: float) -> torch.Tensor:
+    """Decode attention with shared prefixes read once. ``q`` ``[B, H, D]`` in the compute
+    dtype; returns ``[B, H, D]``.
+
+    Each sequence first attends its own slots (``d.ctx_slots``); then each shared prefix is
+    attended by all its members' queries as one ``[kv_heads, members * group, D]`` product, and
+    the two partial results are combined: with ``lse`` the log-sum-exp of each part's scores,
+    ``o = o_own * exp(lse_own - lse) + o_prefix * exp(lse_prefix - lse)``, ``lse`` their logaddexp.
+    """
+    b, n = d.ctx_slots.shape
+    kv_heads, dim = k_cache.shape[1:]
+    group = q.shape[1] // kv_heads
+    qg = q.view(b, kv_heads, group, dim)
+    slots = d.ctx_slots.reshape(-1)
+    k = k_cache.index_select(0, slots).to(q.dtype).view(b, n, kv_heads, dim)
+    v = v_cache.index_select(0, slots).to(q.dtype).view(b, n, kv_heads, dim)
+    s = torch.einsum("bgrd,bngd->bgrn", qg, k) * scale
+    if d.mask is not None:
+        s.masked_fill_(~d.mask.view(b, 1, 1, n), float("-inf"))
+    lse = s.logsumexp(-1)  # [B, kv_heads, group]; finite: every row has its decode token
+    o = torch.einsum("bgrn,bngd->bgrd", (s - lse[..., None]).exp_(), v)
+    for prefix in d.shared:
+        m = prefix.members
+        qp = qg.index_select(0, m).transpose(0, 1).reshape(kv_heads, -1, dim)  # [kv_heads, n*group, D]
+        kp = k_cache.index_select(0, prefix.slots).to(q.dtype).permute(1, 2, 0)  # [kv_heads, D, L]
+        vp = v_cache.index_select(0, prefix.slots).to(q.dtype).transpose(0, 1)  # [kv_heads, L, D]
+        sp = torch.bmm(qp, kp) * scale
+        lse_p = sp.logsumexp(-1)
+        op = torch.bmm((sp - lse_p[..., None]).exp_(), vp)
+        op = op.view(kv_heads, len(m), group, dim).transpose(0, 1)
+        lse_p = lse_p.view(kv_heads, len(m), group).transpose(0, 1)
+        lse_own = lse.index_select(0, m)
+        total = torch.logaddexp(lse_own, lse_p)
+        merged = o.index_select(0, m) * (lse_own - total).exp_()[..., None] + op * (lse_p - total).exp_()[..., None]
+        o.index_copy_(0, m, merged)
+    return o.view(b, kv_heads * group, dim)
 
 
 def prefill_mask(q_len: int, ctx_len: int) -> torch.Tensor | None:
