@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from kvmosaic import SamplingParams
 from kvmosaic.bench.quant import all_logits, chat_prompts
 from kvmosaic.engine.config import EngineConfig
-from kvmosaic.model.quant import GEMV_MAX_ROWS, Int8WeightOnlyLinear
+from kvmosaic.model.quant import GEMV_MAX_ROWS, Int8LogitsHead, Int8WeightOnlyLinear
 from tests.conftest import make_llm
 
 
@@ -18,6 +18,23 @@ from tests.conftest import make_llm
 def linear():
     w = torch.randn(384, 256, generator=torch.Generator().manual_seed(0)) * 0.05
     return w, Int8WeightOnlyLinear(w)
+
+
+def test_int8_head_leaves_its_top_logits_unrounded():
+    """The head's top logits are the int8 weights' exact float32 product (no bfloat16 ties at
+    the top); the others are the rounded product of the plain int8 layer."""
+    w = torch.randn(2000, 64, generator=torch.Generator().manual_seed(2))
+    head, plain = Int8LogitsHead(w), Int8WeightOnlyLinear(w)
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(3)) * 4
+    got, rounded = head(x), plain(x).float()
+    exact = F.linear(x.bfloat16().float(), head.qweight.float()) * head.scale.float()
+    top = rounded.topk(head.shortlist, dim=-1).indices  # the shortlist, chosen on the rounded values
+    torch.testing.assert_close(got.gather(-1, top), exact.gather(-1, top), rtol=1e-5, atol=1e-4)
+    rest = torch.ones_like(got, dtype=torch.bool).scatter_(-1, top, False)
+    assert torch.equal(got[rest], rounded[rest])
+    assert torch.equal(got.argmax(-1), exact.argmax(-1))
+    assert rounded.gather(-1, top).unique().numel() < top.numel()  # the rounded top has ties
+    assert got.gather(-1, top).unique().numel() == top.numel()  # the head's has none
 
 
 def test_int8_linear_is_close_to_the_float_product(linear):
@@ -84,20 +101,30 @@ def test_int8_stays_within_the_measured_tolerance_of_the_float_model(engines):
 
 
 def test_int8_outputs_equal_with_the_cache_on_and_off():
-    """The cache invariant holds for the int8 model too: a cached prefix gives the tokens a full
-    prefill gives, log-probabilities within the int8 model's own batching noise."""
+    """The cache invariant holds for the int8 model too, within its own noise: a cached prefix
+    gives the tokens a full prefill gives until a position where the full prefill itself is
+    undecided (its top two log-probabilities within the noise), log-probabilities within that
+    noise up to there."""
     on, off = make_llm(quantization="int8"), make_llm(quantization="int8", prefix_cache="none")
     prompts = chat_prompts(on.tokenizer, 3, seed=3)
-    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=1)
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
     first = on.generate([{"prompt_token_ids": prompts[0]}], params)  # caches the system prompt
     got = first + on.generate([{"prompt_token_ids": p} for p in prompts[1:]], params)
     want = off.generate([{"prompt_token_ids": p} for p in prompts], params)
     assert sum(o.num_cached_tokens for o in got[1:]) > 0
+    # Float32 attention differs by ~1e-6 between a cached and a full prefill (and between batch
+    # sizes); the projections' bfloat16 roundings turn that into rare one-ulp flips that compound
+    # over 30 layers: measured up to 7e-2 (the float model: under 1e-4). The int8 LM head's
+    # bfloat16 output also makes exact ties between the top two tokens common. Wrong KV moves
+    # logprobs by whole nats and changes decided tokens.
+    noise = 0.15
+    compared = 0
     for g, w in zip(got, want):
-        assert g.token_ids == w.token_ids
-        for lg, lw, tok in zip(g.logprobs, w.logprobs, g.token_ids):
-            # Float32 attention differs by ~1e-6 between a cached and a full prefill (and between
-            # batch sizes); the projections' bfloat16 roundings turn that into rare one-ulp flips
-            # that compound over 30 layers: measured up to 7e-2 (the float model: under 1e-4).
-            # Wrong KV moves logprobs by whole nats and changes tokens.
-            assert abs(lg[tok] - lw[tok]) < 0.15
+        for lg, lw, tok, ref_tok in zip(g.logprobs, w.logprobs, g.token_ids, w.token_ids):
+            top = sorted(lw.values(), reverse=True)
+            if top[0] - top[1] < noise:
+                break  # undecided in the reference: the two runs may go different ways from here
+            assert tok == ref_tok
+            assert abs(lg[tok] - lw[tok]) < noise
+            compared += 1
+    assert compared >= 12, f"only {compared} decided tokens compared"

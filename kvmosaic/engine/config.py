@@ -33,6 +33,8 @@ class EngineConfig:
     kv_cache_memory: int = 1 << 30  # bytes for the KV pool
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
+    # Decodes sharing a cached prefix attend it once (model/attention.py); False: each reads it.
+    cascade_attention: bool = True
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True
     prefix_cache: str | None = None  # "hash" | "radix" | "none"; None follows enable_prefix_caching

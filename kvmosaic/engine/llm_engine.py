@@ -118,7 +118,7 @@ class LLMEngine:
                             config.scheduling_policy),
             self.cache,
         )
-        self.runner = ModelRunner(self.model, self.kv)
+        self.runner = ModelRunner(self.model, self.kv, cascade=config.cascade_attention)
         self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, num_blocks,
                                      config.block_size, config.segment_separator)

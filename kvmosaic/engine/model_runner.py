@@ -23,9 +23,10 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, cascade: bool = True) -> None:
         self.model = model
         self.kv = kv
+        self.cascade = cascade
         self.device = kv.device
 
     def prepare(self, batch: list[tuple[ScheduledSeq, list[int]]]):
@@ -60,7 +61,8 @@ class ModelRunner:
     def _decode_batch(self, index: list[int], slots: list[torch.Tensor], tables: list[list[int]]) -> DecodeBatch:
         bs = self.kv.block_size
         shared = []
-        for num_blocks, members in shared_prefixes(tables, [len(x) for x in slots], bs, CASCADE_MIN_BLOCKS):
+        groups = shared_prefixes(tables, [len(x) for x in slots], bs, CASCADE_MIN_BLOCKS) if self.cascade else []
+        for num_blocks, members in groups:
             shared.append(SharedPrefix(slots[members[0]][: num_blocks * bs], torch.tensor(members)))
             for i in members:
                 slots[i] = slots[i][num_blocks * bs :]

@@ -43,6 +43,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     e.add_argument("--kv-tier-load-timeout", type=float, default=2.0, metavar="S",
                    help="a tier load slower than S seconds is a miss (those tokens are computed)")
     e.add_argument("--max-model-len", type=int, default=None)
+    e.add_argument("--no-cascade-attention", dest="cascade_attention", action="store_false",
+                   help="decodes sharing a cached prefix each read it (default: attended once for all)")
     e.add_argument("--max-num-seqs", type=int, default=64)
     e.add_argument("--max-num-batched-tokens", type=int, default=2048)
     e.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "lpm"])
@@ -125,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, prefix_cache=args.prefix_cache,
+        cascade_attention=args.cascade_attention,
         scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
         quantization=args.quantization, enable_kv_events=args.kv_events_endpoint is not None, segment_reuse=args.segment_reuse,
         blend_ratio=args.blend_ratio, blend_threshold=args.blend_threshold,
