@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import random
 import time
 from pathlib import Path
 
 from . import text
+from .machine import describe
 from .peers import PeerSettings, unavailable_reason
 from .worker import PeerProcess
 
@@ -114,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                             f"{s['slowest_step']}")
     header = [f"- command: `kvmosaic bench batch-16 --dtype {args.dtype}{' --quick' if args.quick else ''}`",
               f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(started))}",
-              f"- machine: {platform.machine()}, {os.cpu_count()} cores",
+              f"- machine: {describe()}",
               f"- {n} chat prompts sharing a {words}-word system prompt, {max_tokens} output tokens each, greedy",
               f"- wall time: {time.time() - started:.0f} s (loads included)"]
     md = "\n".join(["# kvmosaic bench batch-16", "", *header, *[f"- skipped: {s}" for s in skipped], "", *lines, "",

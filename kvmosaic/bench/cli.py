@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 from . import plots, report
 from .benchmarks_md import publish
+from .machine import describe
 from .peers import ALL_PEERS, DEFAULT_PEERS, QUICK_PEERS, PeerSettings, unavailable_reason
 from .runner import run_workload, warm_up
 from .summary import pick_reference, summarize
@@ -130,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     header = {
         "command": f"`{command_line(args)}`",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": describe(),
         "reference for ratios": reference or "none",
         "wall time": f"{time.time() - started:.0f} s",
     }

@@ -29,7 +29,6 @@ import asyncio
 import importlib.util
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -37,6 +36,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from .machine import describe
 from .serve_client import PoolSampler, RequestResult, one_request, run_level
 from .serve_report import (
     COLUMNS,
@@ -77,8 +77,9 @@ def unavailable_reason(name: str) -> str | None:
         return f"unknown serving peer {name!r}; choose from {', '.join(SERVE_PEERS)}"
     if name == "kvmosaic-radix" and importlib.util.find_spec("kvmosaic.cache.radix") is None:
         return "kvmosaic-radix skipped: the radix backend is not there"
-    if name == "llama-cpp-server" and importlib.util.find_spec("llama_cpp") is None:
-        return ("llama-cpp-server skipped: llama-cpp-python is not installed "
+    if name == "llama-cpp-server" and (importlib.util.find_spec("llama_cpp") is None
+                                       or importlib.util.find_spec("sse_starlette") is None):
+        return ("llama-cpp-server skipped: llama-cpp-python[server] is not installed "
                 "(run scripts/install_llama_cpp.sh, about 4 minutes to compile)")
     if name == "transformers-serve" and importlib.util.find_spec("transformers") is None:
         return "transformers-serve skipped: transformers is not installed"
@@ -164,7 +165,10 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
         # subscriptable, a GGUF config has no architectures), so it serves the same weights exported once
         # (dequantized by transformers' GGUF loader, as it computes them) to a safetensors folder.
         folder = export_gguf(gguf)
+        # Sized as the offline transformers-cb peer is (unsized, it preallocates ~13 GB of KV on CPU):
+        # 128 blocks of its default size, 2,048 tokens per step as kvmosaic's default.
         argv = [exe, "serve", str(folder), "--continuous-batching", "--dtype", dtype,
+                "--cb-num-blocks", "128", "--cb-max-batch-tokens", "2048",
                 "--device", "cpu", "--host", "127.0.0.1", "--port", "{port}", "--log-level", "warning"]
         # transformers serve refuses stream_options (it always sends usage on the last chunk) and
         # has no ignore_eos: its requests may stop before max_tokens; completion tokens are counted.
@@ -275,7 +279,7 @@ def run(args: argparse.Namespace) -> int:
     header = {
         "command": f"`{command_line(args, peers_arg)}`",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}",
+        "machine": describe(),
         "requests": (f"chat, {sizes.max_tokens} output tokens (greedy; kvmosaic and llama.cpp ignore EOS), "
                      f"first workload's prompt {prompt_example} tokens, {sizes.requests} requests per level "
                      f"(at least the concurrency), a fresh system prompt per level"),
