@@ -26,7 +26,7 @@ def _result(ttft: float, gaps: list[float], prompt=100, completion=4, cached=64)
     for g in gaps:
         times.append(times[-1] + g)
     return RequestResult(ok=True, start=0.0, ttft=ttft, e2e=times[-1], chunk_times=times, prompt_tokens=prompt,
-                         completion_tokens=completion, cached_tokens=cached)
+                         completion_tokens=completion, cached_tokens=cached, usage_reported=True)
 
 
 def test_summarize_level_pools_gaps_and_counts_tokens():
@@ -41,6 +41,10 @@ def test_summarize_level_pools_gaps_and_counts_tokens():
     assert (row.prompt_tokens, row.completion_tokens, row.cached_tokens) == (200, 8, 64)
     assert row.output_tps == pytest.approx(4.0) and row.total_tps == pytest.approx(104.0)
     assert row.errors == ["APIConnectionError: refused"] and row.blocks_used_peak == 12
+    assert row.usage_reported
+    res[1].usage_reported = False  # a server that sends no usage: cached tokens unknown, shown n/a
+    row = summarize_level("llama-cpp-server", "shared-prefix", "closed", 4, res, wall_s=2.0)
+    assert not row.usage_reported and "| n/a |" in serving.table([row])
 
 
 def _row(peer: str, level: int, tps: float) -> LevelResult:
@@ -91,3 +95,19 @@ def test_bench_serve_tiny_run_against_one_kvmosaic_server(tmp_path):
     assert "| shared-prefix | kvmosaic-hash | c=2 |" in (tmp_path / "serve.md").read_text()
     for png in ("serve_throughput.png", "serve_ttft.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_kvmosaic_peer_can_be_served_from_another_checkout(tmp_path):
+    """kvmosaic-hash@PATH runs `kvmosaic serve` on the code at PATH (an earlier revision, to
+    compare against in one run); anything else after @ is refused with the reason."""
+    from pathlib import Path
+
+    from kvmosaic.bench.serving import make_server_peer, unavailable_reason
+
+    checkout = Path(__file__).resolve().parents[1]
+    assert unavailable_reason(f"kvmosaic-hash@{checkout}") is None
+    assert "not a kvmosaic checkout" in unavailable_reason(f"kvmosaic-hash@{tmp_path}")
+    assert "only kvmosaic peers" in unavailable_reason(f"llama-cpp-server@{checkout}")
+    peer = make_server_peer(f"kvmosaic-radix@{checkout}", "float32", None, None)
+    argv = peer.server.args
+    assert argv[:2] == ["env", f"PYTHONPATH={checkout}"] and argv[argv.index("--prefix-cache") + 1] == "radix"

@@ -35,7 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all but kvmosaic-hash-int8; with --quick: "
                         f"{', '.join(QUICK_PEERS)}); "
-                        f"for serve: {', '.join(SERVE_PEERS)}")
+                        f"for serve: {', '.join(SERVE_PEERS)}, or kvmosaic-hash@PATH (a kvmosaic peer served from the "
+                        f"checkout at PATH, e.g. an earlier revision)")
     p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke test, not a measurement")
     p.add_argument("--seed", type=int, default=0, help="fixes every prompt of every workload")
     p.add_argument("--out", default="results", help="folder for bench.md, bench.json and the plots")

@@ -28,10 +28,15 @@ class RequestResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    usage_reported: bool = False  # False: the server sent no usage; prompt_tokens is the client's count
     error: str | None = None
 
 
-async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens: int) -> RequestResult:
+async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens: int,
+                      prompt_estimate: int = 0) -> RequestResult:
+    """One streamed chat request. Token counts come from the response's usage; a server that
+    sends none (llama-cpp-python's streams) is counted by the client: ``prompt_estimate`` (the
+    prompt tokenized with the model's tokenizer) and one token per content chunk."""
     kwargs = {"stream_options": {"include_usage": True}} if peer.usage_option else {}
     start = time.perf_counter()
     res = RequestResult(ok=False, start=start)
@@ -46,6 +51,7 @@ async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens
                 res.chunk_times.append(now)
                 chunks += 1
             if chunk.usage is not None:
+                res.usage_reported = True
                 res.prompt_tokens = chunk.usage.prompt_tokens or 0
                 res.completion_tokens = chunk.usage.completion_tokens or 0
                 details = getattr(chunk.usage, "prompt_tokens_details", None)
@@ -53,6 +59,7 @@ async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens
         res.e2e = time.perf_counter() - start
         res.ttft = res.chunk_times[0] if res.chunk_times else None
         res.completion_tokens = res.completion_tokens or chunks
+        res.prompt_tokens = res.prompt_tokens or prompt_estimate
         res.ok = True
     except Exception as err:  # noqa: BLE001 - counted as a failed request and reported
         res.error = f"{type(err).__name__}: {str(err)[:200]}"
@@ -107,7 +114,7 @@ async def run_level(peer: ServerPeer, convs: list[list[dict]], max_tokens: int, 
     async def tracked(i: int) -> None:
         if sampler:
             sampler.in_flight[i] = prompt_len[i]
-        results[i] = await one_request(client, peer, convs[i], max_tokens)
+        results[i] = await one_request(client, peer, convs[i], max_tokens, prompt_len[i])
         if sampler:
             sampler.in_flight.pop(i, None)
 

@@ -54,6 +54,7 @@ class LevelResult:
     num_blocks: int | None = None
     pool_util: float | None = None
     errors: list[str] = field(default_factory=list)
+    usage_reported: bool = True  # False: some responses had no usage (cached tokens unknown)
 
 
 def summarize_level(peer: str, workload: str, mode: str, level: float, results: list[RequestResult],
@@ -73,6 +74,7 @@ def summarize_level(peer: str, workload: str, mode: str, level: float, results: 
         output_tps=completion / wall_s if wall_s else 0.0, total_tps=(prompt + completion) / wall_s if wall_s else 0.0,
         blocks_used_peak=pool.get("blocks_used_peak"), num_blocks=pool.get("num_blocks"), pool_util=pool.get("pool_util"),
         errors=sorted({r.error for r in results if r.error})[:3],
+        usage_reported=all(r.usage_reported for r in ok),
     )
 
 
@@ -114,7 +116,7 @@ def table(rows: list[LevelResult], reference: str = "kvmosaic-hash") -> str:
         reqs = f"{r.requests}" + (f" ({r.failed} failed)" if r.failed else "")
         cells = (r.workload, r.peer, load_label(r), reqs, format_ms(r.ttft_p50), format_ms(r.ttft_p99),
                  format_ms(r.itl_p50), format_ms(r.itl_p99), f"{r.output_tps:.0f}", f"{r.total_tps:.0f}",
-                 f"{r.cached_tokens}{share}", blocks, util,
+                 f"{r.cached_tokens}{share}" if r.usage_reported else "n/a", blocks, util,
                  "–" if ratio is None else f"{ratio:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -126,8 +128,11 @@ DEFINITIONS = """\
 - *TTFT*: from sending the request to the first streamed chunk with content, at the client.
 - *ITL*: gaps between consecutive content chunks of a request (all requests of the level pooled).
 - *output / total tok/s*: completion tokens / (prompt + completion tokens) of the level over its
-  wall time (first request sent to last response ended), token counts from each response's usage.
-- *cached tok*: sum of usage.prompt_tokens_details.cached_tokens (share of prompt tokens).
+  wall time (first request sent to last response ended), token counts from each response's usage;
+  where a server sends no usage (llama-cpp-python), the prompt tokenized with the model's tokenizer
+  and one token per content chunk.
+- *cached tok*: sum of usage.prompt_tokens_details.cached_tokens (share of prompt tokens); n/a where
+  the server does not report it.
 - *x best peer tok/s*: the reference kvmosaic peer's total tok/s / the best other peer's at that load.
 """
 

@@ -73,6 +73,13 @@ KVMOSAIC_SERVE = {"kvmosaic-hash": "hash", "kvmosaic-radix": "radix", "kvmosaic-
 
 
 def unavailable_reason(name: str) -> str | None:
+    if "@" in name:  # a kvmosaic peer served from another checkout (see make_server_peer)
+        base, source = name.split("@", 1)
+        if base not in KVMOSAIC_SERVE:
+            return f"{name}: only kvmosaic peers ({', '.join(KVMOSAIC_SERVE)}) can be served from another checkout"
+        if not (Path(source) / "kvmosaic" / "cli.py").is_file():
+            return f"{name}: {source} is not a kvmosaic checkout (no kvmosaic/cli.py there)"
+        return None
     if name not in SERVE_PEERS:
         return f"unknown serving peer {name!r}; choose from {', '.join(SERVE_PEERS)}"
     if name == "kvmosaic-radix" and importlib.util.find_spec("kvmosaic.cache.radix") is None:
@@ -151,9 +158,13 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
     from kvmosaic.model.loader import shipped_model_path
 
     gguf = Path(model_path or shipped_model_path())
-    if name in KVMOSAIC_SERVE:
-        argv = [sys.executable, "-m", "kvmosaic.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
-                "--log-level", "warning", "--prefix-cache", KVMOSAIC_SERVE[name], "--dtype", dtype]
+    base, _, source = name.partition("@")
+    if base in KVMOSAIC_SERVE:
+        # NAME@PATH: the server runs the kvmosaic code of the checkout at PATH (e.g. an earlier
+        # revision: `git worktree add /tmp/old REV`), so both are measured in one run.
+        argv = ["env", f"PYTHONPATH={Path(source).resolve()}"] if source else []
+        argv += [sys.executable, "-m", "kvmosaic.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
+                 "--log-level", "warning", "--prefix-cache", KVMOSAIC_SERVE[base], "--dtype", dtype]
         argv += ["--num-threads", str(threads)] if threads else []
         argv += ["--model", str(gguf)] if model_path else []
         argv += shlex.split(kvmosaic_args)
