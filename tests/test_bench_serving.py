@@ -55,10 +55,10 @@ def _row(peer: str, level: int, tps: float) -> LevelResult:
 
 def test_report_table_has_every_row_and_the_ratio_to_the_best_peer():
     rows = [_row("kvmosaic-hash", 1, 300.0), _row("kvmosaic-none", 1, 100.0), _row("transformers-serve", 1, 150.0),
-            _row("kvmosaic-hash", 4, 600.0)]
+            _row("kvmosaic-hash-int8", 1, 900.0), _row("kvmosaic-hash", 4, 600.0)]  # kvmosaic rows are not peers
     md = serving.render(rows, {"command": "`kvmosaic bench serve`"}, ["llama-cpp-server skipped: not installed"], ["a.png"])
     lines = [ln for ln in md.splitlines() if ln.startswith("| shared-prefix")]
-    assert len(lines) == 4
+    assert len(lines) == 5
     hash1 = next(ln for ln in lines if "kvmosaic-hash | c=1 |" in ln)
     assert "| 250 | 1,500 | 20 | 100 |" in hash1  # TTFT p50/p99, ITL p50/p99 in ms
     assert hash1.rstrip().endswith("| 2.00x |")  # 300 / the best other peer's 150

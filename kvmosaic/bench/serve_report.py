@@ -93,13 +93,14 @@ def load_label(r: LevelResult) -> str:
 
 
 def best_peer_ratios(rows: list[LevelResult], reference: str) -> dict[tuple, float]:
-    """Per (workload, mode, level): the reference's total tok/s / the best other peer's."""
+    """Per (workload, mode, level): the reference's total tok/s / the best other engine's
+    (kvmosaic's own configurations and revisions are not peers)."""
     out = {}
     for r in rows:
         if r.peer != reference:
             continue
-        others = [o.total_tps for o in rows if o.peer != reference and (o.workload, o.mode, o.level) == (r.workload, r.mode, r.level)
-                  and o.total_tps]
+        others = [o.total_tps for o in rows if not o.peer.startswith("kvmosaic")
+                  and (o.workload, o.mode, o.level) == (r.workload, r.mode, r.level) and o.total_tps]
         if others:
             out[(r.workload, r.mode, r.level)] = r.total_tps / max(others)
     return out
@@ -133,7 +134,8 @@ DEFINITIONS = """\
   and one token per content chunk.
 - *cached tok*: sum of usage.prompt_tokens_details.cached_tokens (share of prompt tokens); n/a where
   the server does not report it.
-- *x best peer tok/s*: the reference kvmosaic peer's total tok/s / the best other peer's at that load.
+- *x best peer tok/s*: the reference kvmosaic peer's total tok/s / the best other engine's at that load
+  (kvmosaic's own configurations excluded).
 """
 
 

@@ -63,13 +63,16 @@ __all__ = [
     "summarize_level", "table", "unavailable_reason",
 ]
 
-SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "transformers-serve", "llama-cpp-server")
-DEFAULT_SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "transformers-serve", "llama-cpp-server")
+SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "kvmosaic-hash-int8", "transformers-serve",
+               "llama-cpp-server")
+DEFAULT_SERVE_PEERS = tuple(p for p in SERVE_PEERS if p != "kvmosaic-hash-int8")
 
 
 # ---- peers -------------------------------------------------------------------------------------
 
-KVMOSAIC_SERVE = {"kvmosaic-hash": "hash", "kvmosaic-radix": "radix", "kvmosaic-none": "none"}
+KVMOSAIC_SERVE = {"kvmosaic-hash": "hash", "kvmosaic-radix": "radix", "kvmosaic-none": "none", "kvmosaic-hash-int8": "hash"}
+# Opt-in numerics, not run unless named: weight-only int8 (model/quant.py).
+KVMOSAIC_SERVE_ARGS = {"kvmosaic-hash-int8": ["--quantization", "int8"]}
 
 
 def unavailable_reason(name: str) -> str | None:
@@ -165,6 +168,7 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
         argv = ["env", f"PYTHONPATH={Path(source).resolve()}"] if source else []
         argv += [sys.executable, "-m", "kvmosaic.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
                  "--log-level", "warning", "--prefix-cache", KVMOSAIC_SERVE[base], "--dtype", dtype]
+        argv += KVMOSAIC_SERVE_ARGS.get(base, [])
         argv += ["--num-threads", str(threads)] if threads else []
         argv += ["--model", str(gguf)] if model_path else []
         argv += shlex.split(kvmosaic_args)
@@ -186,7 +190,10 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
         return ServerPeer(name, argv, {}, usage_option=False, kvmosaic=False, model=str(folder))
     if name == "llama-cpp-server":
         argv = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1",
-                "--port", "{port}", "--n_ctx", "4096", "--cache", "true"]
+                "--port", "{port}", "--n_ctx", "4096", "--cache", "true",
+                # By default a new request interrupts the one streaming (llama-cpp-python serves one
+                # at a time): its streams would end early and its tok/s count work it never did.
+                "--interrupt_requests", "false"]
         argv += ["--n_threads", str(threads)] if threads else []
         return ServerPeer(name, argv, {"ignore_eos": True}, usage_option=True, kvmosaic=False)
     raise ValueError(unavailable_reason(name) or name)
