@@ -39,11 +39,12 @@ class EngineReplica:
         from ..server.metrics import ServerMetrics
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        engine = LLMEngine(EngineConfig(**{**engine_kwargs, "enable_kv_events": True}))
         self.events = f"tcp://127.0.0.1:{free_port()}"
         self.replay = f"tcp://127.0.0.1:{free_port()}"
         self.publisher = ZmqEventPublisher(self.events, replay_endpoint=self.replay)
-        self.engine = AsyncEngine(engine, on_flush=self.publisher.publish)
+        config = EngineConfig(**{**engine_kwargs, "enable_kv_events": True})
+        self.engine = AsyncEngine.launch(lambda: LLMEngine(config), on_flush=self.publisher.publish)
+        engine = self.engine.engine
         self.model_name = engine.model_name
         metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
         self.engine.on_finish = metrics.on_finish

@@ -136,8 +136,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"loading {args.model or 'the shipped model'} ({config.dtype}"
           f"{', chosen by --dtype auto' if args.dtype == 'auto' else ''}"
           f"{', int8 weight-only' if config.quantization == 'int8' else ''}) ...", flush=True)
-    engine = LLMEngine(config)
-    model_name = args.served_model_name or engine.model_name
     publisher = None
     if args.kv_events_endpoint:
         publisher = ZmqEventPublisher(
@@ -146,7 +144,9 @@ def run(args: argparse.Namespace) -> int:
             curve_secret_key=args.kv_events_curve_secret_key.encode() if args.kv_events_curve_secret_key else None,
             curve_client_keys=[k.encode() for k in args.kv_events_curve_client_key]
             if args.kv_events_curve_client_key else None)
-    async_engine = AsyncEngine(engine, on_flush=publisher.publish if publisher else None)
+    async_engine = AsyncEngine.launch(lambda: LLMEngine(config), on_flush=publisher.publish if publisher else None)
+    engine = async_engine.engine
+    model_name = args.served_model_name or engine.model_name
     metrics = ServerMetrics(lambda: async_engine.stats, model_name)
     async_engine.on_finish = metrics.on_finish
     from .tenancy import build_public_prefixes, read_public_prefix_file
