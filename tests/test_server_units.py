@@ -126,3 +126,34 @@ def test_server_process_started_then_entered_is_one_process_and_stops():
     with started:  # the fixtures' ``with proc.start():`` once started a second server and leaked this one
         assert proc.proc is first and proc.alive()
     assert first.poll() is not None
+
+
+def test_launch_builds_the_engine_on_the_engine_thread_and_raises_build_errors():
+    """AsyncEngine.launch builds the engine on the thread that will run it (the one thread that
+    runs torch); an error while building reaches the caller."""
+    import threading
+
+    from kvmosaic.server.async_engine import AsyncEngine
+    from tests.conftest import make_llm
+
+    built_on = []
+
+    def broken():
+        built_on.append(threading.current_thread().name)
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.launch(broken)
+
+    def working():
+        built_on.append(threading.current_thread().name)
+        return make_llm().engine
+
+    aeng = AsyncEngine.launch(working)
+    try:
+        assert built_on == ["kvmosaic-engine", "kvmosaic-engine"]
+        assert aeng._thread.is_alive() and aeng._thread is not threading.current_thread()
+        aeng.start()  # already running: nothing to do
+    finally:
+        aeng.shutdown()
+    assert not aeng._thread.is_alive()
