@@ -65,7 +65,6 @@ __all__ = [
 
 SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "kvmosaic-hash-int8", "transformers-serve",
                "llama-cpp-server")
-DEFAULT_SERVE_PEERS = tuple(p for p in SERVE_PEERS if p != "kvmosaic-hash-int8")
 
 
 # ---- peers -------------------------------------------------------------------------------------
@@ -73,6 +72,7 @@ DEFAULT_SERVE_PEERS = tuple(p for p in SERVE_PEERS if p != "kvmosaic-hash-int8")
 KVMOSAIC_SERVE = {"kvmosaic-hash": "hash", "kvmosaic-radix": "radix", "kvmosaic-none": "none", "kvmosaic-hash-int8": "hash"}
 # Opt-in numerics, not run unless named: weight-only int8 (model/quant.py).
 KVMOSAIC_SERVE_ARGS = {"kvmosaic-hash-int8": ["--quantization", "int8"]}
+DEFAULT_SERVE_PEERS = tuple(p for p in SERVE_PEERS if p not in KVMOSAIC_SERVE_ARGS)
 
 
 def unavailable_reason(name: str) -> str | None:
