@@ -1,4 +1,4 @@
-"""Engine configuration, as one small dataclass (names follow vLLM's engine arguments)."""
+"""Engine configuration: the options of :class:`~.arg_utils.EngineArgs`, validated where the engine runs."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import torch
 
 from ..model.config import DTYPES
 from ..model.quant import QUANTIZATIONS
-
-PREFIX_CACHES = ("hash", "radix", "none")
+from .arg_utils import PREFIX_CACHES, EngineArgs
 
 
 def auto_dtype(device: torch.device) -> str:
@@ -24,42 +23,9 @@ def auto_dtype(device: torch.device) -> str:
 
 
 @dataclass
-class EngineConfig:
-    model: str | None = None  # None: the shipped SmolLM2-135M-Instruct GGUF
-    dtype: str = "auto"  # "auto" | "bfloat16" | "float32" | "float16"; see auto_dtype
-    device: str = "auto"  # "auto" takes CUDA when there is one
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory
-    kv_cache_memory: int = 1 << 30  # bytes for the KV pool
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 64
-    # Decodes sharing a cached prefix attend it once (model/attention.py); False: each reads it.
-    cascade_attention: bool = True
-    max_model_len: int | None = None  # None: the model's context length
-    enable_prefix_caching: bool = True
-    prefix_cache: str | None = None  # "hash" | "radix" | "none"; None follows enable_prefix_caching
-    hash_algo: str = "sha256"  # see cache/hashing.py: "sha256" | "sha256_cbor" | "xxh3_128"
-    verify_tokens: bool = False  # compare tokens on every hash hit (guards against collisions)
-    scheduling_policy: str = "fcfs"  # or "lpm"
-    eviction_policy: str = "lru"
-    enable_kv_events: bool = False
-    num_threads: int | None = None
-    # Weight-only quantization (model/quant.py): None, or "int8" (per-channel int8 projections and
-    # LM head; faster decode on CPU, outputs within a measured tolerance of the float model).
-    quantization: str | None = None
-    # Segment reuse (issue 6): "off" | "shift" (re-position only) | "blend" (+ selective recompute)
-    segment_reuse: str = "off"
-    blend_ratio: float = 0.15  # fraction of reused segment tokens recomputed
-    blend_threshold: float | None = None  # if set: recompute tokens deviating more (overrides ratio)
-    blend_check_layer: int = 2  # the early layer whose KV deviation picks tokens (>= 1)
-    segment_cache_memory: int = 256 << 20  # bytes for stored segment KV (LRU)
-    # When set, a text prompt is cut at each occurrence (which is dropped): the first piece is
-    # the head, the last the suffix, those between are segments (e.g. "<|segment|>").
-    segment_separator: str | None = None
-    # Storage tiers below the pool, fastest first (kvmosaic/tiers/spec.py), e.g.
-    # ["host:4GiB", "disk:/var/cache/kvmosaic:20GiB", "redis://127.0.0.1:6379"]; None: pool only.
-    kv_tiers: list[str] | None = None
-    kv_tier_load_timeout: float = 2.0  # seconds; a load past it is a miss (the tokens are computed)
+class EngineConfig(EngineArgs):
+    """An :class:`~.arg_utils.EngineArgs` validated, with the machine's choices made
+    (``dtype="auto"``, ``prefix_cache=None``); its fields are declared there, once."""
 
     def __post_init__(self) -> None:
         if self.dtype == "auto":

@@ -1,72 +1,115 @@
-"""``kvmosaic serve``: one engine process (``server.cli``), or with ``--replicas N --router
-POLICY`` the replicated server on a local Ray.
+"""``kvmosaic serve``: one engine process (``server.cli``), or with ``--replicas N`` the same
+server as N Ray Serve replicas behind one front.
 
-Starts a local Ray when none is running (``ray.init`` does), deploys ``app.build_app`` and
-serves the OpenAI API on ``--host``/``--port`` until interrupted, then shuts Serve down. This
-package sits above ``server`` (its replicas run the server's app), so the command lives here.
+Both are built from one ``EngineArgs`` and one ``ServerArgs`` (the flags are theirs). With
+replicas: joins ``--ray-address`` or starts a local Ray, deploys ``app.build_application`` and
+serves on ``--host``/``--port``. On SIGTERM or SIGINT it drains as one server does: the front
+stops admitting (503), running requests finish for up to ``--shutdown-timeout`` seconds, the rest
+end with an explicit error; then Serve and (when this process started it) Ray shut down, leaving
+no Ray process behind. A second signal cuts at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import threading
 import time
 
-from ..router.policies import POLICIES
+from ..engine.arg_utils import EngineArgs
+from ..server.args import ServerArgs
+
+log = logging.getLogger("kvmosaic.serve")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..server.cli import add_arguments as add_server_arguments
 
     add_server_arguments(p)
-    g = p.add_argument_group("replicas (Ray Serve)")
-    g.add_argument("--replicas", type=int, default=None, help="run N engine replicas on Ray Serve")
-    g.add_argument("--router", default="cache-aware", choices=POLICIES, help="how requests pick a replica")
-    g.add_argument("--replica-cpus", type=float, default=0.5)
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    keys = ("model", "dtype", "device", "block_size", "kv_cache_memory", "num_kv_blocks", "max_model_len",
-            "max_num_seqs", "max_num_batched_tokens", "prefix_cache", "scheduling_policy", "num_threads", "quantization")
-    out = {k: getattr(args, k) for k in keys if getattr(args, k, None) is not None}
-    out.setdefault("num_threads", 1)
-    return out
-
-
-def run(args: argparse.Namespace) -> int:
-    if not args.replicas:
+def run(ns: argparse.Namespace) -> int:
+    if not ns.replicas:
         from ..server.cli import run as run_single
 
-        return run_single(args)
-    return run_replicas(args)
+        return run_single(ns)
+    return run_replicas(EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns))
 
 
-def run_replicas(args: argparse.Namespace) -> int:
+def _signals() -> threading.Event:
+    """An event set by SIGTERM/SIGINT (the first signal drains; the second sets ``hurry``)."""
+    stop = threading.Event()
+    stop.hurry = threading.Event()  # type: ignore[attr-defined]
+
+    def handler(sig: int, _frame) -> None:
+        if stop.is_set():
+            stop.hurry.set()  # type: ignore[attr-defined]
+        log.warning("received %s: draining", signal.Signals(sig).name)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def drain(front, timeout: float, hurry: threading.Event) -> None:
+    """Stop admitting, wait for running requests up to ``timeout``, then cut the rest. A front
+    that does not answer (Ray itself going down) ends the drain: nothing is left to wait for."""
+    try:
+        _drain(front, timeout, hurry)
+    except Exception as e:  # noqa: BLE001 - shutting down regardless
+        log.warning("drain ended early: %s: %s", type(e).__name__, e)
+
+
+def _drain(front, timeout: float, hurry: threading.Event) -> None:
+    in_flight = front.begin_drain.remote().result(timeout_s=10)
+    log.warning("draining: %d requests in flight, up to %g s", in_flight, timeout)
+    deadline = time.monotonic() + timeout
+    while in_flight and time.monotonic() < deadline and not hurry.is_set():
+        time.sleep(0.1)
+        in_flight = front.in_flight.remote().result(timeout_s=10)
+    if in_flight:
+        log.warning("shutdown timeout: ending %d requests with an error", in_flight)
+        front.cut_all.remote().result(timeout_s=30)
+        end = time.monotonic() + 5
+        while in_flight and time.monotonic() < end:
+            time.sleep(0.1)
+            in_flight = front.in_flight.remote().result(timeout_s=10)
+
+
+def run_replicas(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     import ray
     from ray import serve
 
-    from .app import build_app
+    from ..server.cli import banner
+    from .app import build_application
 
-    ray.init(ignore_reinit_error=True, include_dashboard=False)
-    serve.start(http_options={"host": args.host, "port": args.port})
-    app = build_app(args.replicas, args.router, engine_kwargs(args), args.replica_cpus,
-                    list(getattr(args, "api_key", []) or []), getattr(args, "api_key_salt", None))
-    serve.run(app, name="kvmosaic", route_prefix="/")
-    print(f"kvmosaic is serving {args.replicas} replicas ({args.router} router) at "
-          f"http://{args.host}:{args.port} (OpenAI API under /v1; router metrics at /metrics)", flush=True)
+    logging.basicConfig(level=server_args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    ray.init(address=server_args.ray_address, ignore_reinit_error=True, include_dashboard=False,
+             log_to_driver=server_args.log_level == "debug")
+    stop = _signals()  # after ray.init, which installs its own SIGTERM handler (exit, no drain)
     try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        pass
+        serve.start(http_options={"host": server_args.host, "port": server_args.port})
+        front = serve.run(build_application(engine_args, server_args), name="kvmosaic", route_prefix="/")
+        model = serve.get_deployment_handle("EngineReplica", "kvmosaic").served_model_name.remote().result()
+        host = "127.0.0.1" if server_args.host in ("0.0.0.0", "::") else server_args.host
+        print("\n" + banner(f"http://{host}:{server_args.port}", model, None), flush=True)
+        print(f"Replicas: {server_args.replicas} on Ray Serve, routed by {server_args.router}; /metrics has the "
+              f"router's and every replica's (label replica)\n", flush=True)
+        while not stop.wait(1.0):
+            pass
+        drain(front, server_args.shutdown_timeout, stop.hurry)  # type: ignore[attr-defined]
     finally:
         serve.shutdown()
         ray.shutdown()
+    log.warning("drained; exiting")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m kvmosaic.serve")
     add_arguments(p)
-    args = p.parse_args(argv)
-    args.replicas = args.replicas or 2
-    return run_replicas(args)
+    ns = p.parse_args(argv)
+    ns.replicas = ns.replicas or 2
+    return run(ns)

@@ -1,9 +1,12 @@
 """One engine replica as a Ray Serve deployment class.
 
-Invariants: the replica's engine publishes every cache event on its own loopback ZeroMQ
-endpoint (with replay), named in its routing stats together with an ``instance`` id that
-changes when the replica restarts; a request is answered by the single-process server's app
-(``server.app.build_app``), so a replica's answer equals ``kvmosaic serve``'s.
+Invariants: a replica runs the single-process server's app, built by the same function from
+the same arguments (``server.app.build_server(engine, ServerArgs)``), so its authentication,
+tenancy, limits, validation and answers are ``kvmosaic serve``'s; its engine config comes from
+the same ``EngineArgs`` (``tests/test_args.py``). Its engine publishes every cache event on its
+own loopback ZeroMQ endpoint (with replay), named in its routing stats together with an
+``instance`` id that changes when the replica restarts. Answers leave as they are made:
+:meth:`EngineReplica.handle` is a generator (the response head, then each body chunk).
 """
 
 from __future__ import annotations
@@ -11,9 +14,10 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
-import httpx
+from .asgi import stream_asgi
 
 
 def _model_info(engine) -> dict[str, Any]:
@@ -29,43 +33,50 @@ def _model_info(engine) -> dict[str, Any]:
 
 
 class EngineReplica:
-    def __init__(self, engine_kwargs: dict[str, Any]) -> None:
-        from ..engine.config import EngineConfig
+    def __init__(self, engine_args, server_args) -> None:
         from ..engine.llm_engine import LLMEngine
-        from ..server.app import build_app
+        from ..server.app import build_server
         from ..server.async_engine import AsyncEngine
         from ..server.events import ZmqEventPublisher
         from ..server.launch import free_port
-        from ..server.metrics import ServerMetrics
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         self.events = f"tcp://127.0.0.1:{free_port()}"
         self.replay = f"tcp://127.0.0.1:{free_port()}"
         self.publisher = ZmqEventPublisher(self.events, replay_endpoint=self.replay)
-        config = EngineConfig(**{**engine_kwargs, "enable_kv_events": True})
+        threads = engine_args.num_threads or max(1, int(server_args.replica_cpus))
+        config = engine_args.create_engine_config(num_threads=threads, **server_args.engine_overrides())
         self.engine = AsyncEngine.launch(lambda: LLMEngine(config), on_flush=self.publisher.publish)
-        engine = self.engine.engine
-        self.model_name = engine.model_name
-        metrics = ServerMetrics(lambda: self.engine.stats, self.model_name)
-        self.engine.on_finish = metrics.on_finish
-        self.app = build_app(self.engine, self.model_name, metrics)
+        self.model_name = server_args.served_model_name or self.engine.engine.model_name
+        self.app = build_server(self.engine, server_args, self.model_name)
         self.engine.start()
-        self.info = _model_info(engine)
+        self.info = _model_info(self.engine.engine)
         self.instance = uuid.uuid4().hex
         self.queued_tokens = 0  # prompt tokens of requests in this replica, not yet answered
-        self.client = httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app), base_url="http://replica",
-                                        timeout=None)
 
-    async def handle(self, routed: dict[str, Any]) -> dict[str, Any]:
-        """Answer one OpenAI request (``path``, ``body``, ``headers``) through the server app."""
+    async def handle(self, routed: dict[str, Any]) -> AsyncIterator[dict | bytes]:
+        """Answer one HTTP request (``method``, ``path``, ``headers``, ``body``) through the
+        server app: yields ``{"status", "headers", "replica"}``, then the body's chunks."""
         n = len(routed.get("token_ids") or ())
         self.queued_tokens += n
         try:
-            r = await self.client.post(routed["path"], content=routed["body"], headers=routed.get("headers") or {})
+            async for part in stream_asgi(self.app, routed.get("method", "POST"), routed["path"],
+                                          routed.get("headers") or [], routed.get("body") or b""):
+                if isinstance(part, dict):
+                    part["replica"] = self.replica_id()
+                yield part
         finally:
             self.queued_tokens -= n
-        return {"status": r.status_code, "body": r.content, "content_type": r.headers.get("content-type"),
-                "replica": self.replica_id()}
+
+    def cut_all(self, _routed: dict | None = None) -> str:
+        """End every running request with an explicit error (the front's drain deadline)."""
+        from ..server.drain import CUT_MESSAGE
+
+        self.engine.cut_all(CUT_MESSAGE, 503, "shutdown")
+        return self.replica_id()
+
+    def served_model_name(self, _routed: dict | None = None) -> str:
+        return self.model_name
 
     def replica_id(self) -> str:
         from ray import serve

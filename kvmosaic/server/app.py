@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from contextlib import asynccontextmanager
+from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -21,7 +22,26 @@ from .errors import APIError
 from .limits import BodyReadTimeout, BodySizeLimit, HeaderLimits
 from .metrics import ServerMetrics
 from .serving import OpenAIServing
-from .tenancy import TenantPolicy
+from .tenancy import TenantPolicy, build_public_prefixes, read_public_prefix_file
+
+if TYPE_CHECKING:
+    from .args import ServerArgs
+
+
+def build_server(engine: AsyncEngine, args: ServerArgs, model_name: str | None = None,
+                 metrics: ServerMetrics | None = None, drain: Drain | None = None) -> FastAPI:
+    """The server's app as ``args`` describe it: tenancy (with its public prefixes), limits,
+    drain. One process and every Ray replica are built by this function (docs/ARCHITECTURE.md)."""
+    model_name = model_name or args.served_model_name or engine.engine.model_name
+    if metrics is None:
+        metrics = ServerMetrics(lambda: engine.stats, model_name)
+        engine.on_finish = metrics.on_finish
+    tenants = args.tenant_policy()
+    if tenants.mode == "shared-public":
+        texts, hashes = read_public_prefix_file(args.public_prefix_file) if args.public_prefix_file else ([], [])
+        tenants.public = build_public_prefixes(engine.engine, texts, hashes)
+    return build_app(engine, model_name, metrics, tenants, args.max_body_bytes,
+                     drain=drain or Drain(args.shutdown_timeout), body_timeout=args.body_timeout)
 
 
 def build_app(

@@ -55,8 +55,13 @@ class ServerProcess:
         self.stop()
         raise TimeoutError(f"the server did not answer {self.ready_path} in {timeout} s:\n{output}")
 
-    def health(self) -> dict:
-        return httpx.get(self.url + "/health", timeout=10).json()
+    def health(self, **headers: str) -> dict:
+        return httpx.get(self.url + "/health", headers=headers, timeout=30).json()
+
+    def pool_healths(self, **headers: str) -> list[dict]:
+        """Each engine's detailed ``/health`` (one; or, behind ``--replicas``, every replica's)."""
+        h = self.health(**headers)
+        return list(h["replicas"].values()) if "replicas" in h else [h]
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -70,7 +75,7 @@ class ServerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(timeout=20)
+                self.proc.wait(timeout=60)  # a drain, then (replicas) Serve and Ray shutting down
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

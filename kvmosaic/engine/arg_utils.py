@@ -1,0 +1,151 @@
+"""The engine's options, declared once: :class:`EngineArgs` (vLLM's ``engine/arg_utils.py`` is
+the pattern).
+
+Each field is an :func:`option`: its default, its help and how the command line spells it.
+From that one declaration come the ``kvmosaic serve`` flags (:meth:`EngineArgs.add_cli_args`),
+the values a Ray replica receives (an ``EngineArgs`` is a plain picklable dataclass) and the
+validated :class:`~kvmosaic.engine.config.EngineConfig`, which *is* an ``EngineArgs`` (a
+subclass adding validation and the machine-dependent choices: ``dtype="auto"`` resolves where
+the engine runs, not where the command was typed). So one server and every replica are built
+from the same values by the same code; ``tests/test_args.py`` walks every field.
+See docs/ARCHITECTURE.md ("One set of arguments").
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import EngineConfig
+
+PREFIX_CACHES = ("hash", "radix", "none")
+DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
+SEGMENT_REUSE_MODES = ("off", "shift", "blend")
+HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
+QUANTIZATION_CHOICES = ("int8",)
+
+SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
+
+
+def memory_size(text: str) -> int:
+    """``1073741824``, ``1G``, ``512MiB``, ``1.5GB`` -> bytes (powers of 1024)."""
+    m = SIZE.match(str(text))
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (try 1G or 512M)")
+    return int(float(m.group(1)) * 1024 ** "bkmgt".index((m.group(2) or "b").lower()))
+
+
+def option(default: Any = None, help: str = "", *, factory: Callable[[], Any] | None = None,
+           choices: tuple | None = None, type: Callable[[str], Any] | None = None, metavar: str | None = None,
+           flag: str | None = None, append: bool = False, cli: bool = True, group: str | None = None,
+           repr: bool = True) -> Any:
+    """A dataclass field that knows its command-line flag: ``--field-name`` unless ``flag``;
+    a bool becomes ``--x/--no-x``; ``append`` makes it repeatable (a list). ``cli=False``: set
+    by code only (the server sets it from its own options); ``group``: the ``--help`` section."""
+    meta = {"help": help, "choices": choices, "type": type, "metavar": metavar, "flag": flag,
+            "append": append, "cli": cli, "group": group}
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata=meta, repr=repr)
+    return dataclasses.field(default=default, metadata=meta, repr=repr)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def add_dataclass_arguments(parser: argparse.ArgumentParser, cls, section: str) -> None:
+    """One flag per :func:`option` field of ``cls``, in ``--help`` section ``section`` unless the
+    field names its own. Every flag defaults to None ("not given"), so :func:`values_given`
+    keeps the dataclass's own default for what the user left out."""
+    groups: dict[str, Any] = {}
+    for f in fields(cls):
+        m = f.metadata
+        if not m.get("cli", False):
+            continue
+        title = m["group"] or section
+        group = groups.get(title) or groups.setdefault(title, parser.add_argument_group(title))
+        kw: dict[str, Any] = {"dest": f.name, "default": None, "help": m["help"] or None}
+        if isinstance(f.default, bool):
+            kw["action"] = argparse.BooleanOptionalAction
+        else:
+            kw.update({k: m[k] for k in ("choices", "type", "metavar") if m[k] is not None})
+            if m["append"]:
+                kw["action"] = "append"
+            elif m["type"] is None and f.default is not None and not callable(f.default):
+                kw["type"] = type(f.default)
+        if f.default not in (dataclasses.MISSING, None) and not isinstance(f.default, bool) and f.repr:
+            kw["help"] = f"{kw['help'] or ''} (default: {f.default})".strip()
+        group.add_argument(flag_of(f), **kw)
+
+
+def values_given(cls, ns: argparse.Namespace) -> dict[str, Any]:
+    """The fields of ``cls`` the command line set (not None)."""
+    return {f.name: getattr(ns, f.name) for f in fields(cls) if getattr(ns, f.name, None) is not None}
+
+
+@dataclass
+class EngineArgs:
+    """Every engine option as given, unresolved (see the module docstring). Names follow
+    vLLM's engine arguments."""
+
+    model: str | None = option(None, "GGUF file or safetensors folder (default: the shipped model)")
+    dtype: str = option("auto", "auto: bfloat16 where the hardware computes it natively "
+                                "(CUDA, AVX512-BF16, AMX), else float32", choices=DTYPE_CHOICES)
+    device: str = option("auto", "auto: CUDA when there is one")
+    quantization: str | None = option(None, "int8: weight-only int8 projections and LM head (faster CPU "
+                                            "decode; quality measured in BENCHMARKS.md)", choices=QUANTIZATION_CHOICES)
+    block_size: int = option(16, "tokens per KV block (a power of two)")
+    num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides --kv-cache-memory)", type=int)
+    kv_cache_memory: int = option(1 << 30, "KV pool size, e.g. 1G", type=memory_size)
+    max_num_batched_tokens: int = option(2048, "tokens computed per step at most (chunked prefill)")
+    max_num_seqs: int = option(64, "requests running at once at most")
+    cascade_attention: bool = option(True, "decodes sharing a cached prefix attend it once for all "
+                                           "(--no-cascade-attention: each reads it)")
+    max_model_len: int | None = option(None, "context length (default: the model's)", type=int)
+    enable_prefix_caching: bool = option(True, "--no-enable-prefix-caching is --prefix-cache none")
+    prefix_cache: str | None = option(None, "hash (vLLM's block hash chain), radix (SGLang's tree) or none "
+                                            "(default: hash)", choices=PREFIX_CACHES)
+    hash_algo: str = option("sha256", "the block hash: sha256 (fixed-width ids), sha256_cbor (vLLM's) or "
+                                      "xxh3_128", choices=HASH_ALGOS)
+    verify_tokens: bool = option(False, "compare tokens on every hash hit (guards against collisions)")
+    scheduling_policy: str = option("fcfs", "fcfs, or lpm (longest cached prefix first)", choices=("fcfs", "lpm"))
+    eviction_policy: str = option("lru", "which cached block to evict first", choices=("lru",))
+    enable_kv_events: bool = option(False, cli=False)  # the server sets it: --kv-events-endpoint, replicas
+    num_threads: int | None = option(None, "torch threads (default: torch's; a replica: its CPUs)", type=int)
+    segment_reuse: str = option("off", "reuse the KV of marked segments at any position (completions' "
+                                       "`segments` field)", choices=SEGMENT_REUSE_MODES)
+    blend_ratio: float = option(0.15, "blend: fraction of reused segment tokens recomputed")
+    blend_threshold: float | None = option(None, "blend: recompute tokens deviating more (overrides the ratio)",
+                                           type=float)
+    blend_check_layer: int = option(2, "blend: the early layer whose KV deviation picks tokens (>= 1)")
+    segment_cache_memory: int = option(256 << 20, "bytes for stored segment KV (LRU), e.g. 256M", type=memory_size)
+    segment_separator: str | None = option(None, "mark segments in any text prompt (chat messages too): "
+                                                 "head TEXT doc TEXT ... TEXT tail", metavar="TEXT")
+    kv_tiers: list[str] | None = option(None, "a storage tier below the pool, fastest first (repeatable): "
+                                              "host:4GiB, disk:/var/cache/kvmosaic:20GiB, "
+                                              "redis://127.0.0.1:6379 (kvmosaic/tiers/spec.py)",
+                                        flag="--kv-tier", metavar="SPEC", append=True)
+    kv_tier_load_timeout: float = option(2.0, "a tier load slower than this many seconds is a miss "
+                                              "(those tokens are computed)", metavar="S")
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_arguments(parser, EngineArgs, "engine")
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
+        return cls(**values_given(EngineArgs, ns))
+
+    def values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(EngineArgs)}
+
+    def create_engine_config(self, **overrides: Any) -> EngineConfig:
+        """The validated config on this machine (``dtype="auto"`` resolved here)."""
+        from .config import EngineConfig
+
+        return EngineConfig(**{**self.values(), **overrides})
