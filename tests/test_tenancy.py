@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from radix_sim import SEED, FakeKV, FakeReq, admit, make_manager
 
-from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, public_prefix_salt
+from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn
 from kvmosaic.server.errors import APIError
 from kvmosaic.server.tenancy import PublicPrefixes, TenantPolicy, read_public_prefix_file
 
@@ -16,14 +16,14 @@ SECRET = [7, 7, 7, 7, 8, 8, 8, 8, 9]
 OTHER = [1, 2, 3, 4, 5, 6, 7, 8, 9]
 
 
-def chain(salt, tokens, bs=BS):
-    return BlockHasher(CacheNamespace(SEED, salt), bs, get_hash_fn("sha256_cbor")).update(tokens)
+def chain(salt, tokens, bs=BS, public=0):
+    return BlockHasher(CacheNamespace(SEED, salt, None, public), bs, get_hash_fn("sha256_cbor")).update(tokens)
 
 
 def test_default_chain_is_unchanged():
     ns = CacheNamespace(SEED, "t")
     assert ns.public_blocks == 0 and ns.extra_keys(0) == (("salt", "t"),) and ns.extra_keys(1) == ()
-    assert public_prefix_salt(0, "t") == "t" and public_prefix_salt(3, None) is None
+    assert CacheNamespace(SEED, None, None, 3) == CacheNamespace(SEED), "no salt: nothing is private"
     # bit-identical to the chain as it was written before public prefixes existed
     fn = get_hash_fn("sha256_cbor")
     h0 = fn((SEED, tuple(SECRET[:4]), (("salt", "t"),)))
@@ -31,25 +31,26 @@ def test_default_chain_is_unchanged():
 
 
 def test_public_blocks_are_shared_and_the_rest_is_salted():
-    a, b = public_prefix_salt(2, "alice"), public_prefix_salt(2, "bob")
-    assert CacheNamespace(SEED, a).public_blocks == 2
-    ha, hb, plain = chain(a, PUBLIC + SECRET), chain(b, PUBLIC + SECRET), chain(None, PUBLIC + SECRET)
+    ha, hb = chain("alice", PUBLIC + SECRET, public=2), chain("bob", PUBLIC + SECRET, public=2)
+    plain = chain(None, PUBLIC + SECRET)
     assert ha[:2] == hb[:2] == plain[:2], "the public head is the unsalted chain"
     assert ha[2] != hb[2] and ha[2] != plain[2] and ha[2] != chain("alice", PUBLIC + SECRET)[2]
-    assert CacheNamespace(SEED, a).public() == CacheNamespace(SEED, None)
+    assert CacheNamespace(SEED, "alice", None, 2).public() == CacheNamespace(SEED, None)
+    # the salt string carries no count: a salt that looks packed is just a salt
+    assert CacheNamespace(SEED, "\x00public=2;alice").public_blocks == 0
 
 
 class NamespacedKV(FakeKV):
     """KV of a position is (namespace, history), where the namespace is None in the public head."""
 
     def write(self, table, req, start, end):
-        bs, head = self.block_size, CacheNamespace(SEED, req.cache_salt).public_blocks * self.block_size
+        bs, head = self.block_size, req.public_blocks * self.block_size
         for p in range(start, end):
             ns = (None if p < head else req.cache_salt, req.adapter_id)
             self.slots.setdefault(table[p // bs], [None] * bs)[p % bs] = (ns, tuple(req.all_token_ids[: p + 1]))
 
     def check(self, table, req, end):
-        bs, head = self.block_size, CacheNamespace(SEED, req.cache_salt).public_blocks * self.block_size
+        bs, head = self.block_size, req.public_blocks * self.block_size
         for p in range(end):
             ns = (None if p < head else req.cache_salt, req.adapter_id)
             got = self.slots.get(table[p // bs], [None] * bs)[p % bs]
@@ -57,8 +58,8 @@ class NamespacedKV(FakeKV):
             assert got[0][0] in (None, ns[0]), f"position {p}: another tenant's KV"
 
 
-def run(mgr, kv, rid, salt, tokens):
-    req = FakeReq(rid, list(tokens), cache_salt=salt)
+def run(mgr, kv, rid, salt, tokens, public=0):
+    req = FakeReq(rid, list(tokens), cache_salt=salt, public_blocks=public)
     assert admit(mgr, kv, req)
     mgr.free(req)
     if hasattr(mgr, "check_invariants"):
@@ -77,24 +78,22 @@ def test_isolated_tenants_never_hit_each_other(kind):
 @pytest.mark.parametrize("kind", ["hash", "radix"])
 def test_shared_public_shares_the_public_head_only(kind):
     mgr, kv = make_manager(kind, 64, BS), NamespacedKV(BS)
-    a, b = public_prefix_salt(2, "alice"), public_prefix_salt(2, "bob")
-    assert run(mgr, kv, "a1", a, PUBLIC + SECRET) == 0
+    assert run(mgr, kv, "a1", "alice", PUBLIC + SECRET, 2) == 0
     # bob probes alice's exact prompt: only the public head is found (not her secret tail)
-    assert run(mgr, kv, "b1", b, PUBLIC + SECRET) == 8
-    assert run(mgr, kv, "b2", b, PUBLIC + OTHER) == 8
+    assert run(mgr, kv, "b1", "bob", PUBLIC + SECRET, 2) == 8
+    assert run(mgr, kv, "b2", "bob", PUBLIC + OTHER, 2) == 8
     # declaring more of the prompt public does not reach alice's salted blocks
-    assert run(mgr, kv, "b3", public_prefix_salt(4, "bob"), PUBLIC + SECRET[:8] + [5]) == 8
+    assert run(mgr, kv, "b3", "bob", PUBLIC + SECRET[:8] + [5], 4) == 8
     # alice still reuses her whole prompt
-    assert run(mgr, kv, "a2", a, PUBLIC + SECRET) >= 16
+    assert run(mgr, kv, "a2", "alice", PUBLIC + SECRET, 2) >= 16
 
 
 @pytest.mark.parametrize("kind", ["hash", "radix"])
 def test_shared_public_under_eviction_pressure(kind):
     mgr, kv = make_manager(kind, 12, BS), NamespacedKV(BS)
     for i in range(30):
-        salt = public_prefix_salt(2, f"t{i % 3}")
         tail = [(i * 7 + j) % 50 for j in range(6)]
-        run(mgr, kv, f"r{i}", salt, PUBLIC + tail)
+        run(mgr, kv, f"r{i}", f"t{i % 3}", PUBLIC + tail, 2)
     info = mgr.size_info()
     assert info.num_free_blocks + info.num_evictable_blocks == info.num_blocks if hasattr(info, "num_free_blocks") \
         else True

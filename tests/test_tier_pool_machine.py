@@ -34,8 +34,7 @@ class PoolWithTiers(RuleBasedStateMachine):
         self.through = HostTier(3 * block_bytes, name="through", policy="write_through")
         self.back = HostTier(4 * block_bytes, name="back", policy="write_back")
         self.conn = TierConnector(TierStack([self.through, self.back]), self.io)
-        self.pool = BlockPool(BLOCKS, BS)
-        self.pool.observer = self.conn
+        self.pool = BlockPool(BLOCKS, BS, observer=self.conn)
         self.held: list = []  # blocks this "request" holds a reference on
         self.written: dict[bytes, torch.Tensor] = {}  # hash -> KV when it was cached
         self.names = itertools.count()

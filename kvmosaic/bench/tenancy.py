@@ -16,7 +16,7 @@
   reported (target <= 2 %).
 
 The engine-level parts go through the server's own salt code (:class:`TenantPolicy`,
-:func:`public_prefix_salt`). CPU, float32 by default; the machine may be shared and noisy,
+``ProcessedPrompt.public_blocks``). CPU, float32 by default; the machine may be shared and noisy,
 hence interleaving and ratios.
 """
 
@@ -55,13 +55,14 @@ def audit(mode: str, public_ids: list[int], lengths: list[int], probes: int, thr
 
 
 # ---- reuse and throughput, through one engine -------------------------------------------------
-def _salts(policy, public, ids: list[int], tenant: str) -> str | None:
-    from ..cache.hashing import public_prefix_salt
+def _processed(engine, policy, public, ids: list[int], tenant: str):
+    """The prompt as the server queues it: the tenant's salt and, shared-public, its public head."""
+    from dataclasses import replace
 
-    salt = policy.cache_salt(tenant, None)
+    processed = engine.inputs.process(ids, policy.cache_salt(tenant, None))
     if policy.mode == "shared-public":
-        salt = public_prefix_salt(public.blocks(ids), salt)
-    return salt
+        processed = replace(processed, public_blocks=public.blocks(ids))
+    return processed
 
 
 def _run(engine, prompts: list[tuple[str, list[int]]], policy, public, max_tokens: int) -> tuple[int, float]:
@@ -72,7 +73,7 @@ def _run(engine, prompts: list[tuple[str, list[int]]], policy, public, max_token
     engine.reset_prefix_cache()
     t0 = time.perf_counter()
     for tenant, ids in prompts:
-        engine.add_request(ids, params, cache_salt=_salts(policy, public, ids, tenant))
+        engine.add_processed(_processed(engine, policy, public, ids, tenant), params)
     hits = 0
     while engine.has_unfinished_requests():
         for out in engine.step():

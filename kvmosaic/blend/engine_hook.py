@@ -19,18 +19,22 @@ import torch
 from ..cache.segments import segment_seed
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
+from ..tiers import TierStack
 from .blender import Blender, BlendOptions
 from .store import SegmentKVStore
 
 
 class SegmentReuse:
-    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, config, model_fingerprint: str) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, config, model_fingerprint: str,
+                 tiers: TierStack | None = None) -> None:
+        """``tiers``: the engine's storage tiers, where stored segments also go (None: off)."""
         if config.segment_reuse != "off" and not 1 <= config.blend_check_layer < model.config.num_layers:
             raise ValueError(f"blend_check_layer must be in [1, {model.config.num_layers}), "
                              f"got {config.blend_check_layer}")
         self.config = config  # the EngineConfig; read on every use, so changes apply at once
         self.kv = kv
-        self.store = SegmentKVStore(config.segment_cache_memory, segment_seed(model_fingerprint, config.dtype))
+        self.store = SegmentKVStore(config.segment_cache_memory, segment_seed(model_fingerprint, config.dtype),
+                                    tiers, model_fingerprint, kv)
         self.blender = Blender(model, kv, self.store)
         self.selection = "deviation"  # "random": the baseline that deviation scores must beat
 

@@ -4,10 +4,11 @@ Each stored segment is one tensor ``[num_layers, 2 (K, V), T, kv_heads, head_dim
 KV pool's dtype, K rotated at positions ``origin .. origin+T-1`` (the index entry records
 ``origin``). A tensor is held exactly as long as its key is in the index.
 
-With storage tiers (``attach_tiers``), a stored segment is also written to every tier under its
-segment key, in the tiers' checked format (``layout`` ``segment:L,2,T,H,D``, the segment's tokens,
-``position`` = origin), and a segment missing from memory is looked up there: a restart or
-another process sharing a Redis tier finds it. Tier I/O for segments runs on the engine thread
+With storage tiers (``tiers``, given at construction; docs/ARCHITECTURE.md, "Storage tiers"), a
+stored segment is also written to every tier under its segment key, in the tiers' checked
+format (``layout`` ``segment:L,2,T,H,D``, the segment's tokens, ``position`` = origin), and a
+segment missing from memory is looked up there: a restart or another process sharing a Redis
+tier finds it. Tier I/O for segments runs on the engine thread
 (a segment is stored once, when first computed); a load that fails a check is a miss.
 """
 
@@ -27,13 +28,20 @@ SEGMENT_LAYOUT = "segment:L,2,T,H,D"
 
 
 class SegmentKVStore:
-    def __init__(self, capacity_bytes: int, seed: bytes) -> None:
+    def __init__(self, capacity_bytes: int, seed: bytes, tiers: TierStack | None = None, fingerprint: str = "",
+                 kv: PagedKVCache | None = None) -> None:
+        """``tiers`` (with the engine's ``fingerprint`` and ``kv`` pool, whose shape and dtype
+        stored segments have): write stored segments there too and look there on a miss."""
         self.index = SegmentIndex(capacity_bytes)
         self.seed = seed
         self.tensors: dict[bytes, torch.Tensor] = {}
         self.tiers: TierStack | None = None
         self.fingerprint = ""
         self.tier_loads = 0  # segments found in a tier after a memory miss
+        if tiers is not None:
+            if kv is None:
+                raise ValueError("a segment store with tiers needs the KV pool (its shape and dtype)")
+            self.attach_tiers(tiers, fingerprint, kv)
 
     def attach_tiers(self, tiers: TierStack, fingerprint: str, kv: PagedKVCache) -> None:
         """Write stored segments to ``tiers`` too and look there on a memory miss."""

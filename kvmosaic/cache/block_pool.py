@@ -64,6 +64,7 @@ class BlockPool:
         eviction_policy: str = "lru",
         max_pinned_blocks: int | None = None,
         medium: str = "CPU",
+        observer: BlockObserver | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the pool needs at least one block")
@@ -83,8 +84,9 @@ class BlockPool:
         self._clock = itertools.count(1)
         # Storage tiers (kvmosaic/kv/tiered.py): told when a block enters the index (its KV is
         # written) and when it leaves it (its KV still in the block), so it can copy the KV out
-        # (write-through / write-back). None: no tiers, nothing to pay on the hot path.
-        self.observer: BlockObserver | None = None
+        # (write-through / write-back). None: no tiers, nothing to pay on the hot path. Given at
+        # construction (docs/ARCHITECTURE.md, "Storage tiers").
+        self.observer: BlockObserver | None = observer
 
     def set_eviction_policy(self, policy: str) -> None:
         """Switch the evictor; the evictable blocks move over (in the new policy's order)."""

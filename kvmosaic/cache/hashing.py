@@ -89,26 +89,15 @@ def hash_block(
     return hash_fn((parent, tuple(tokens), tuple(extra_keys)))
 
 
-PUBLIC_MARK = "\x00public="
-
-
-def public_prefix_salt(public_blocks: int, salt: str | None) -> str | None:
-    """A salt that keeps the first ``public_blocks`` blocks public (unsalted, shared across
-    tenants) and salts the rest with ``salt``: ``CacheNamespace`` reads it back."""
-    if not public_blocks or salt is None:
-        return salt
-    return f"{PUBLIC_MARK}{public_blocks};{salt}"
-
-
 @dataclass(frozen=True)
 class CacheNamespace:
     """What separates cached KV that must never be shared: the engine's ``seed`` (model,
     KV dtype, block size, hash function), the tenant's ``cache_salt`` and the ``adapter_id``.
 
-    The one home of this fact: the hash chain folds it in (:meth:`extra_keys`), the radix
-    tree keys its roots by it, the segment index and the scheduler's grouping use it. Two
-    requests may share KV only if their namespaces are equal (tests: test_hashing.py,
-    test_radix_tree.py salt isolation).
+    The one home of this fact (docs/ARCHITECTURE.md, invariant 3): the hash chain folds it in
+    (:meth:`extra_keys`), the radix tree keys its roots by it, the segment index and the
+    scheduler's grouping use it. Two requests may share KV only if their namespaces are equal
+    (tests: test_hashing.py, test_radix_tree.py salt isolation, test_tenancy.py).
     """
 
     seed: BlockHash
@@ -116,14 +105,15 @@ class CacheNamespace:
     adapter_id: str | None = None
     # Leading blocks that are public (shared-public tenancy): they are hashed without the
     # salt, so every tenant shares them, and the salt enters at block ``public_blocks``.
-    # Set from a salt made by :func:`public_prefix_salt` (so it travels wherever a salt does).
+    # Carried explicitly from the request (``Sequence.public_blocks``); without a salt there
+    # is nothing to keep private, so it is 0 then.
     public_blocks: int = 0
 
     def __post_init__(self) -> None:
-        if self.public_blocks == 0 and self.cache_salt is not None and self.cache_salt.startswith(PUBLIC_MARK):
-            head, _, _ = self.cache_salt[len(PUBLIC_MARK):].partition(";")
-            if head.isdigit():
-                object.__setattr__(self, "public_blocks", int(head))
+        if self.public_blocks < 0:
+            raise ValueError(f"public_blocks must be >= 0, got {self.public_blocks}")
+        if self.cache_salt is None and self.public_blocks:
+            object.__setattr__(self, "public_blocks", 0)
 
     def public(self) -> CacheNamespace:
         """The namespace of this one's public blocks: no salt (shared by every tenant)."""

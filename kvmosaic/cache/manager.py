@@ -30,7 +30,8 @@ from .hashing import BlockHash, BlockHasher, CacheNamespace, HashFn
 
 
 class TierLookup(Protocol):
-    """Storage tiers below the pool, as a manager sees them (kvmosaic/kv/tiered.py)."""
+    """Storage tiers below the pool, as a manager sees them (kvmosaic/kv/tiered.py; given to
+    the manager's constructor, docs/ARCHITECTURE.md "Storage tiers")."""
 
     def lookup(self, keys: Sequence[BlockHash]) -> list[int | None]: ...
 
@@ -42,6 +43,9 @@ class CacheRequest(Protocol):
     cache_salt: str | None
     adapter_id: str | None
     priority: int  # higher = kept longer under the "priority" eviction policy
+    # Shared-public tenancy: leading blocks hashed without the salt (CacheNamespace). Read with
+    # ``getattr(req, "public_blocks", 0)``, so requests that predate it need not define it.
+    public_blocks: int
 
     @property
     def all_token_ids(self) -> list[int]: ...
@@ -56,6 +60,7 @@ class PlainRequest:
     cache_salt: str | None = None
     adapter_id: str | None = None
     priority: int = 0
+    public_blocks: int = 0
 
 
 @dataclass
@@ -135,7 +140,7 @@ class KVCacheManager(ABC):
 
     enable_caching = True  # False: the no-cache baseline (nothing is matched or indexed)
 
-    def __init__(self, pool: BlockPool, seed: BlockHash, hash_fn: HashFn) -> None:
+    def __init__(self, pool: BlockPool, seed: BlockHash, hash_fn: HashFn, tiers: TierLookup | None = None) -> None:
         self.pool = pool
         self.seed = seed
         self.hash_fn = hash_fn
@@ -144,19 +149,26 @@ class KVCacheManager(ABC):
         self.hashers: dict[str, BlockHasher] = {}
         self.stats = PrefixCacheStats()
         self.pending_copies: list[BlockCopy] = []
-        self.tiers: TierLookup | None = None  # storage tiers below the pool (set by the engine)
+        # Storage tiers below the pool, looked up past a pool miss (``MatchResult.tier_hits``);
+        # None: no tiers. Given at construction (LLMEngine builds the connector first).
+        self.tiers: TierLookup | None = tiers
 
-    def namespace(self, cache_salt: str | None, adapter_id: str | None) -> CacheNamespace:
-        return CacheNamespace(self.seed, cache_salt, adapter_id)
+    def namespace(self, cache_salt: str | None, adapter_id: str | None, public_blocks: int = 0) -> CacheNamespace:
+        return CacheNamespace(self.seed, cache_salt, adapter_id, public_blocks)
 
-    def new_hasher(self, cache_salt: str | None = None, adapter_id: str | None = None) -> BlockHasher:
-        return BlockHasher(self.namespace(cache_salt, adapter_id), self.block_size, self.hash_fn)
+    def request_namespace(self, req: CacheRequest) -> CacheNamespace:
+        """The namespace a request's KV lives in (salt, adapter and public head included)."""
+        return self.namespace(req.cache_salt, req.adapter_id, getattr(req, "public_blocks", 0))
+
+    def new_hasher(self, cache_salt: str | None = None, adapter_id: str | None = None,
+                   public_blocks: int = 0) -> BlockHasher:
+        return BlockHasher(self.namespace(cache_salt, adapter_id, public_blocks), self.block_size, self.hash_fn)
 
     def hasher(self, req: CacheRequest) -> BlockHasher:
         """The request's hash chain, extended incrementally as its tokens grow."""
         h = self.hashers.get(req.request_id)
         if h is None:
-            h = self.hashers[req.request_id] = self.new_hasher(req.cache_salt, req.adapter_id)
+            h = self.hashers[req.request_id] = BlockHasher(self.request_namespace(req), self.block_size, self.hash_fn)
         return h
 
     # ---- the cache policy (per backend) --------------------------------------------------
@@ -260,8 +272,9 @@ class HashCacheManager(KVCacheManager):
         seed: BlockHash,
         hash_fn: HashFn,
         enable_caching: bool = True,
+        tiers: TierLookup | None = None,
     ) -> None:
-        super().__init__(pool, seed, hash_fn)
+        super().__init__(pool, seed, hash_fn, tiers)
         self.enable_caching = enable_caching
         self.num_committed: dict[str, int] = {}  # blocks already indexed, per request
         self.pins: dict[int, list[KVBlock]] = {}

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from .block_pool import BlockPool
 from .hashing import DEFAULT_HASH_ALGO, BlockHash, HashFn, get_hash_fn
-from .manager import CacheRequest, CacheSizeInfo, KVCacheManager, MatchResult, PinResult
+from .manager import CacheRequest, CacheSizeInfo, KVCacheManager, MatchResult, PinResult, TierLookup
 from .radix_tree import RadixNode, RadixTree
 
 # Below this many tokens a partial block is recomputed rather than copied. Measured with
@@ -59,8 +59,9 @@ class RadixCacheManager(KVCacheManager):
         eviction_policy: str = "lru",
         min_cow_tokens: int = DEFAULT_MIN_COW_TOKENS,
         hash_fn: HashFn | None = None,
+        tiers: TierLookup | None = None,
     ) -> None:
-        super().__init__(pool, seed, hash_fn or get_hash_fn(DEFAULT_HASH_ALGO))
+        super().__init__(pool, seed, hash_fn or get_hash_fn(DEFAULT_HASH_ALGO), tiers)
         self.tree = RadixTree(pool, eviction_policy)
         self.min_cow_tokens = max(1, min_cow_tokens)
         self.anchors: dict[str, _Anchor] = {}
@@ -73,7 +74,7 @@ class RadixCacheManager(KVCacheManager):
     # ---- the cache policy ----------------------------------------------------------------
     def match_prefix(self, req: CacheRequest) -> RadixMatch:
         tokens = req.all_token_ids
-        ns = self.namespace(req.cache_salt, req.adapter_id)
+        ns = self.request_namespace(req)
         tm = self.tree.match(ns, tokens[: len(tokens) - 1])
         if ns.public_blocks:
             # Shared-public tenancy: the public head is also found in the unsalted tree, but
@@ -131,7 +132,7 @@ class RadixCacheManager(KVCacheManager):
         state = self.anchors[rid]
         if num_computed_tokens <= state.committed:
             return
-        ns = self.namespace(req.cache_salt, req.adapter_id)
+        ns = self.request_namespace(req)
         tokens = req.all_token_ids[:num_computed_tokens]
         anchor = state.node
         start = anchor.parent if anchor is not None and anchor.namespace == ns else None

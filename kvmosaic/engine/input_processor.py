@@ -19,12 +19,15 @@ PromptInput = str | list[int] | dict
 @dataclass(frozen=True)
 class ProcessedPrompt:
     """A prompt ready for the engine: ``segments`` are the spans of its segments (None for
-    an ordinary prompt); the engine reuses them only when segment reuse is on."""
+    an ordinary prompt); the engine reuses them only when segment reuse is on.
+    ``public_blocks``: leading blocks shared by every tenant (shared-public tenancy, set by
+    ``server/tenancy.py``): they are hashed without ``cache_salt`` (cache/hashing.py)."""
 
     prompt: str | None
     prompt_token_ids: list[int]
     cache_salt: str | None = None
     segments: tuple[SegmentSpan, ...] | None = None
+    public_blocks: int = 0
 
 
 class InputProcessor:

@@ -25,8 +25,10 @@ from ..blend.engine_hook import SegmentReuse
 from ..cache.block_pool import BlockPool
 from ..cache.events import EventLog
 from ..cache.hashing import get_hash_fn, make_seed
-from ..cache.manager import HashCacheManager, KVCacheManager
+from ..cache.manager import HashCacheManager, KVCacheManager, TierLookup
+from ..kv.connector import KVConnector
 from ..kv.paged import PagedKVCache
+from ..kv.tiered import make_tier_connector
 from ..model import load_model_bundle
 from .config import EngineConfig
 from .input_processor import InputProcessor, ProcessedPrompt, PromptInput
@@ -83,14 +85,16 @@ class ModelInfo:
     quantization: str | None = None  # weight-only quantization (model/quant.py); in ``fingerprint`` too
 
 
-def make_cache_manager(config: EngineConfig, pool: BlockPool, seed: bytes) -> KVCacheManager:
+def make_cache_manager(config: EngineConfig, pool: BlockPool, seed: bytes,
+                       tiers: TierLookup | None = None) -> KVCacheManager:
+    """The configured backend; ``tiers``: storage tiers looked up past a pool miss."""
     hash_fn = get_hash_fn(config.hash_algo)
     pool.set_eviction_policy(config.eviction_policy)
     if config.prefix_cache == "radix":
         from ..cache.radix import RadixCacheManager
 
-        return RadixCacheManager(pool, seed, eviction_policy=config.eviction_policy, hash_fn=hash_fn)
-    return HashCacheManager(pool, seed, hash_fn, enable_caching=config.prefix_cache == "hash")
+        return RadixCacheManager(pool, seed, eviction_policy=config.eviction_policy, hash_fn=hash_fn, tiers=tiers)
+    return HashCacheManager(pool, seed, hash_fn, enable_caching=config.prefix_cache == "hash", tiers=tiers)
 
 
 class LLMEngine:
@@ -109,26 +113,32 @@ class LLMEngine:
             cfg, config.block_size, config.torch_dtype, config.kv_cache_memory)
         self.kv = PagedKVCache(cfg, num_blocks, config.block_size, config.torch_dtype, self.device)
         self.events = EventLog(enabled=config.enable_kv_events)
+        # Storage tiers below the pool (kvmosaic/kv/tiered.py; None: off), built first and given
+        # to the pool (observer), the cache manager (lookup), the scheduler (its connector) and
+        # the segment store at construction (docs/ARCHITECTURE.md, "Storage tiers").
+        self.tiers = make_tier_connector(config, self.kv, self.model_fingerprint, self.events)
+        if self.tiers is not None:
+            self._tiers_finalizer = weakref.finalize(self, self.tiers.close)
         medium = "GPU" if self.device.type == "cuda" else self.device.type.upper()
-        self.pool = BlockPool(num_blocks, config.block_size, self.events, config.verify_tokens, medium=medium)
+        self.pool = BlockPool(num_blocks, config.block_size, self.events, config.verify_tokens, medium=medium,
+                              observer=self.tiers)
         seed = make_seed(self.model_fingerprint, config.dtype, config.block_size, config.hash_algo)
-        self.cache = make_cache_manager(config, self.pool, seed)
+        self.cache = make_cache_manager(config, self.pool, seed, self.tiers)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                             config.scheduling_policy),
             self.cache,
+            KVConnector(self.tiers, config.block_size) if self.tiers is not None else None,
         )
         self.runner = ModelRunner(self.model, self.kv, cascade=config.cascade_attention)
-        self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint)
+        self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint,
+                                          self.tiers.stack if self.tiers is not None else None)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, num_blocks,
                                      config.block_size, config.segment_separator)
         self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id, self.max_model_len)
         self.model_info = ModelInfo(self.model_name, self.model_fingerprint, config.dtype, config.block_size,
                                     config.hash_algo, self.max_model_len, num_blocks, self.kv.bytes_per_token,
                                     seed, config.prefix_cache, config.quantization)
-        self.tiers = None  # storage tiers below the pool (kvmosaic/kv/tiered.py)
-        if config.kv_tiers and config.prefix_cache != "none":
-            self._attach_tiers(config)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self.prompt_tokens = 0
@@ -162,7 +172,7 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params or SamplingParams(),
-                       processed.cache_salt, adapter_id, priority)
+                       processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks)
         seq.segments = processed.segments if self.segment_reuse.enabled else None
         self.requests[request_id] = seq
         self.scheduler.add(seq)
@@ -288,18 +298,6 @@ class LLMEngine:
     # ---- cache control and stats ---------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
         return self.cache.reset_prefix_cache()
-
-    def _attach_tiers(self, config: EngineConfig) -> None:
-        from ..kv.block_io import BlockIO
-        from ..kv.tiered import TierConnector
-
-        self.tiers = TierConnector.from_specs(config.kv_tiers, BlockIO(self.kv, self.model_fingerprint),
-                                              config.kv_tier_load_timeout, self.events)
-        self.pool.observer = self.tiers
-        self.cache.tiers = self.tiers
-        self.segment_reuse.store.attach_tiers(self.tiers.stack, self.model_fingerprint, self.kv)
-        self.scheduler.tiers = self.tiers
-        self._tiers_finalizer = weakref.finalize(self, self.tiers.close)
 
     def close(self) -> None:
         """Flush queued tier writes and release the tiers (files, sockets, threads)."""

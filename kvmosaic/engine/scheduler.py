@@ -17,16 +17,24 @@ sequence's prefill goes on, so nobody starves (tests: test_scheduler_inflight.py
 
 A sequence's KV for the scheduled tokens is written by the model runner; only after that
 does :meth:`Scheduler.update` advance progress and let the cache index the new blocks.
+
+Storage tiers (docs/ARCHITECTURE.md, "Storage tiers"): the scheduler owns a tier connector
+(kvmosaic/kv/connector.py, given to its constructor; None: no tiers) and does no tier I/O
+itself. For a waiting request it asks how many tokens past the pool's match the tiers supply
+(``get_num_new_matched_tokens``; an asynchronous load parks the request in ``WAITING_FOR_KV``,
+off the queue, until ``get_finished`` names it), tells it the blocks it allocated
+(``update_state_after_alloc``: the payloads go into them) and tells it when a request ends
+(``request_finished``). A question that raises fails that request alone.
 """
 
 from __future__ import annotations
 
 import bisect
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from ..cache.manager import KVCacheManager, MatchResult
+from ..kv.connector import KVConnector
 from .sequence import Sequence, SequenceStatus
 
 
@@ -65,17 +73,27 @@ def _tier_failure(exc: BaseException) -> str:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.skips: dict[str, int] = {}
         self._lpm_previous: dict[str, float] = {}  # waiting request -> arrival, at the last ordering
-        # Storage tiers (kvmosaic/kv/tiered.py; None: off) and the requests waiting for their
-        # background loads: request id -> (sequence, chain hashes, futures).
-        self.tiers = None
-        self.loading: dict[str, tuple[Sequence, list, list]] = {}
+        # Storage tiers (None: off), and the requests in WAITING_FOR_KV: request id -> sequence.
+        self.connector = connector
+        self.loading: dict[str, Sequence] = {}
+
+    @property
+    def tiers(self):
+        """The tier I/O under the connector (the engine's ``TierConnector``), or None."""
+        return self.connector.tiers if self.connector is not None else None
+
+    @tiers.setter
+    def tiers(self, tiers) -> None:
+        # For tools and tests that swap the tier I/O of an idle engine; the engine itself passes
+        # the connector to the constructor.
+        self.connector = KVConnector(tiers, self.kv.block_size) if tiers is not None else None
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -87,20 +105,23 @@ class Scheduler:
         for seq in list(self.running):
             if seq.request_id == request_id:
                 self.running.remove(seq)
-                self.kv.free(seq)
+                self._release(seq)
                 return seq
         for seq in list(self.waiting):
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
-                self.kv.free(seq)
+                self._release(seq)
                 return seq
-        if request_id in self.loading:
-            seq, _, futs = self.loading.pop(request_id)
-            for f in futs:
-                f.cancel()
-            self.kv.free(seq)
-            return seq
-        return None
+        seq = self.loading.pop(request_id, None)
+        if seq is not None:
+            self._release(seq)
+        return seq
+
+    def _release(self, seq: Sequence) -> None:
+        """Free a request's blocks, the connector told first (its loads cancelled)."""
+        if self.connector is not None:
+            self.connector.request_finished(seq, self.kv.block_table(seq.request_id))
+        self.kv.free(seq)
 
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -134,31 +155,36 @@ class Scheduler:
             match = self.kv.match_prefix(seq)
             if inflight and self._next_block_in_flight(seq, match, inflight):
                 continue  # another sequence is computing it: hit it at a later step
-            try:
-                payloads = self._tier_payloads(seq, match) if match.tier_hits and self.tiers is not None else []
-            except Exception as exc:  # noqa: BLE001 - a tier load fails this request alone
-                self._leave_queue(seq)
-                out.failed.append((seq, _tier_failure(exc)))
-                continue
-            if payloads is None:  # loading in the background: the others go on
-                self._leave_queue(seq)
-                continue
-            cached = match.num_tokens + len(payloads) * self.kv.block_size
+            external = 0
+            if self.connector is not None:
+                try:
+                    external, load_async = self.connector.get_num_new_matched_tokens(seq, match)
+                except Exception as exc:  # noqa: BLE001 - a tier load fails this request alone
+                    self._leave_queue(seq)
+                    out.failed.append((seq, _tier_failure(exc)))
+                    continue
+                if load_async:  # loading in the background: the others go on
+                    self._leave_queue(seq)
+                    seq.status = SequenceStatus.WAITING_FOR_KV
+                    self.loading[seq.request_id] = seq
+                    continue
+            cached = match.num_tokens + external
             n = min(seq.num_tokens - cached, budget)
-            if self.kv.allocate_slots(seq, cached + n, match) is None:
+            table = self.kv.allocate_slots(seq, cached + n, match)
+            if table is None:
                 if not self.running:  # the whole pool is free for it and still too small
                     self._leave_queue(seq)
                     self._drop(seq, out)
                     continue
                 break
             self._leave_queue(seq)
-            if payloads:
+            if self.connector is not None:
                 try:
-                    self._write_loaded(seq, match, payloads)
+                    self.connector.update_state_after_alloc(seq, table, external)
                 except Exception as exc:  # noqa: BLE001 - its blocks are freed by the engine, uncommitted
-                    seq.tier_payloads = None
                     out.failed.append((seq, _tier_failure(exc)))
                     continue
+                seq.num_tier_tokens += external
             self._admit(seq, match, cached)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
@@ -190,64 +216,22 @@ class Scheduler:
         return i < len(hashes) and hashes[i] in inflight
 
     # ---- storage tiers -------------------------------------------------------------------
-    def _tier_payloads(self, seq: Sequence, match: MatchResult) -> list[bytes] | None:
-        """Verified KV for the leading tier hits of ``match`` (the longest contiguous run that
-        loaded; a failed load ends it and those tokens are computed), or None when the loads
-        went to the background (the request waits for them, off the queue)."""
-        bs = self.kv.block_size
-        first = match.num_tokens // bs
-        keys = [h for h, _ in match.tier_hits]
-        have = seq.tier_payloads
-        if have is not None:  # loaded in the background already
-            out = []
-            for k in keys:
-                if k not in have:
-                    break
-                out.append(have[k])
-            return out
-        tiers = [t for _, t in match.tier_hits]
-        tokens = [seq.all_token_ids[(first + j) * bs : (first + j + 1) * bs] for j in range(len(keys))]
-        if all(self.tiers.is_fast(t) for t in tiers):
-            return self.tiers.load_now(keys, tiers, tokens)
-        self.loading[seq.request_id] = (seq, keys, self.tiers.submit(keys, tiers, tokens))
-        seq.status = SequenceStatus.WAITING_FOR_KV
-        return None
-
-    def _poll_loads(self, idle: bool, failed: list | None = None) -> None:
-        """Requests whose loads all finished (or passed their deadline) go back to the head of
-        the queue. ``idle``: nothing else to run, so wait a little for a load instead of spinning."""
-        from ..kv.tiered import wait_any
-
-        if idle:
-            futs = [f for _, _, fs in self.loading.values() for f in fs if not f.done()]
-            if futs:
-                wait_any(futs, min(f.deadline for f in futs))
-        now = time.monotonic()
-        for rid, (seq, keys, futs) in list(self.loading.items()):
-            if all(f.done() or now > f.deadline for f in futs):
-                del self.loading[rid]
-                try:
-                    seq.tier_payloads = self.tiers.collect(keys, futs)
-                except Exception as exc:  # noqa: BLE001 - this request alone fails
-                    if failed is None:
-                        raise
-                    failed.append((seq, _tier_failure(exc)))
-                    continue
-                seq.status = SequenceStatus.WAITING
-                self.waiting.appendleft(seq)
-
-    def _write_loaded(self, seq: Sequence, match: MatchResult, payloads: list[bytes]) -> None:
-        table = self.kv.block_table(seq.request_id)
-        first = match.num_tokens // self.kv.block_size
-        for j, payload in enumerate(payloads):
-            key, tier = match.tier_hits[j]
-            self.tiers.write_block(table[first + j], key, tier, payload)
-            self.tiers.record_hit(tier, self.kv.block_size)
-        seq.num_tier_tokens += len(payloads) * self.kv.block_size
+    def _poll_loads(self, idle: bool, failed: list) -> None:
+        """Requests whose background loads all finished (or passed their deadline) go back to
+        the head of the queue; one whose collection raised fails alone. ``idle``: nothing else
+        to run, so the connector waits a little for a load instead of spinning."""
+        for rid, exc in self.connector.get_finished(wait=idle):
+            seq = self.loading.pop(rid, None)
+            if seq is None:
+                continue
+            if exc is not None:
+                failed.append((seq, _tier_failure(exc)))
+                continue
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
 
     def _admit(self, seq: Sequence, match: MatchResult, cached: int | None = None) -> None:
         cached = match.num_tokens if cached is None else cached
-        seq.tier_payloads = None
         self.kv.record_query(seq, match)
         seq.num_computed_tokens = cached
         if seq.num_cached_tokens < 0:
@@ -298,7 +282,7 @@ class Scheduler:
         bs = self.kv.block_size
         hit = {s.request_id: self.kv.match_prefix(s).num_tokens for s in self.waiting}
         def group_of(s: Sequence) -> tuple:
-            return self.kv.namespace(s.cache_salt, s.adapter_id), tuple(s.all_token_ids[:bs])
+            return self.kv.request_namespace(s), tuple(s.all_token_ids[:bs])
 
         group_arrival: dict[tuple, float] = {}
         for s in sorted(self.waiting, key=lambda s: s.arrival_time):
@@ -326,4 +310,4 @@ class Scheduler:
         seq.finish_reason = reason
         if seq in self.running:
             self.running.remove(seq)
-        self.kv.free(seq)
+        self._release(seq)

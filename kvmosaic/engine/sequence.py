@@ -30,6 +30,9 @@ class Sequence:
     cache_salt: str | None = None
     adapter_id: str | None = None
     priority: int = 0
+    # Shared-public tenancy: leading blocks hashed without the salt, shared by every tenant
+    # (cache/hashing.py CacheNamespace); set from ProcessedPrompt.public_blocks.
+    public_blocks: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
@@ -48,9 +51,8 @@ class Sequence:
     segments: tuple | None = None
     num_segment_tokens: int = 0
     cache_limit: int | None = None
-    # Storage tiers: verified payloads loaded in the background (chain hash -> bytes), until
-    # admission puts them into pool blocks; and how many tokens came from tiers on admission.
-    tier_payloads: dict | None = None
+    # Storage tiers: how many tokens came from tiers on admission (the loads themselves are
+    # the scheduler's tier connector's state, kvmosaic/kv/connector.py).
     num_tier_tokens: int = 0
 
     def __post_init__(self) -> None:

@@ -1,17 +1,21 @@
 """The engine side of the storage tiers: moves KV between the pool and a :class:`TierStack`.
 
-One :class:`TierConnector` per engine. It is
+One :class:`TierConnector` per engine (docs/ARCHITECTURE.md, "Storage tiers"), built once by
+:func:`make_tier_connector` from the engine's config (None: no tiers, or prefix caching off) and
+handed to each user at construction, never attached afterwards. It is
 
-- the pool's observer (``BlockPool.observer``, both backends): on ``cache_block`` it copies the
+- the pool's observer (``BlockPool(observer=...)``, both backends): on ``cache_block`` it copies the
   block's KV out for the tiers whose policy is write-through; on ``uncache_block(evicted=True)``
   (the KV still in the block) for the write-back tiers. The copy is synchronous (a memcpy, or a
   pinned non-blocking copy plus a sync on CUDA); encoding and the write to a disk or Redis tier
   run on one writer thread, a host tier is written at once;
-- the managers' tier lookup (``KVCacheManager.tiers``): ``lookup(chain hashes)``;
-- the scheduler's loader: ``load_now`` (host tiers, on the engine thread) and ``submit`` (disk and
-  Redis, on the :class:`TierLoader` thread, with a deadline). Every payload it hands out passed
-  ``TierStack.load``'s checks (checksum, header, token ids, key); a failed or late load is a
-  miss and the scheduler computes those tokens.
+- the managers' tier lookup (``make_cache_manager(..., tiers=...)``): ``lookup(chain hashes)``;
+- the tier I/O under the scheduler's :class:`~.connector.KVConnector`: ``load_now`` (host
+  tiers, on the engine thread), ``submit`` / ``collect`` (disk and Redis, on the
+  :class:`TierLoader` thread, with a deadline) and ``write_block``. Every payload it hands out
+  passed ``TierStack.load``'s checks (checksum, header, token ids, key); a failed or late load
+  is a miss and the scheduler computes those tokens;
+- the segment store's tier stack (``stack``).
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import functools
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from ..cache.events import BlockRemoved, BlockStored, EventLog
 from ..tiers import Policy, TierLoader, TierStack, Trigger, build_tiers, encode_block
 from .block_io import BlockIO
+from .paged import PagedKVCache
 
 
 class TierConnector:
@@ -211,3 +216,22 @@ class TierConnector:
 def wait_any(futs: Sequence[cf.Future], until: float) -> None:
     """Block until one of ``futs`` is done or ``until`` (monotonic) passes."""
     cf.wait(futs, timeout=max(0.0, until - time.monotonic()), return_when=cf.FIRST_COMPLETED)
+
+
+class TierConfig(Protocol):
+    """What :func:`make_tier_connector` reads of the engine's config (``EngineConfig``)."""
+
+    kv_tiers: Sequence[str] | None
+    kv_tier_load_timeout: float
+    prefix_cache: str
+
+
+def make_tier_connector(config: TierConfig, kv: PagedKVCache, model_fingerprint: str,
+                        events: EventLog | None = None) -> TierConnector | None:
+    """The engine's one connector, or None when no tiers are configured or prefix caching is
+    off (nothing is indexed, so nothing could be stored or found)."""
+    if not config.kv_tiers or config.prefix_cache == "none":
+        return None
+    return TierConnector.from_specs(config.kv_tiers, BlockIO(kv, model_fingerprint), config.kv_tier_load_timeout,
+                                    events)
+

@@ -20,11 +20,12 @@ from ..cache.hashing import BlockHash, BlockHasher, get_hash_fn, make_seed
 
 
 def block_hasher(seed: BlockHash, block_size: int, hash_fn, cache_salt: str | None,
-                 adapter_id: str | None) -> BlockHasher:
-    """The engine's ``BlockHasher`` for one namespace (seed, salt, adapter)."""
+                 adapter_id: str | None, public_blocks: int = 0) -> BlockHasher:
+    """The engine's ``BlockHasher`` for one namespace (seed, salt, adapter, and the public
+    head of shared-public tenancy: ``public_blocks`` leading blocks hashed without the salt)."""
     namespace = getattr(hashing, "CacheNamespace", None)
     if namespace is not None:
-        return BlockHasher(namespace(seed, cache_salt, adapter_id), block_size, hash_fn)
+        return BlockHasher(namespace(seed, cache_salt, adapter_id, public_blocks), block_size, hash_fn)
     return BlockHasher(seed, block_size, hash_fn, cache_salt, adapter_id)  # before issue 10's namespace
 
 
@@ -46,12 +47,13 @@ class PromptHasher:
         return cls.for_model(info["fingerprint"], info["dtype"], int(info["block_size"]), algo)
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str | None = None, adapter_id: str | None = None,
-               reusable_only: bool = True) -> list[BlockHash]:
+               reusable_only: bool = True, public_blocks: int = 0) -> list[BlockHash]:
         """The chain of the prompt's full blocks; with ``reusable_only``, only the blocks a hit
-        can cover (the engine always recomputes the last prompt token)."""
+        can cover (the engine always recomputes the last prompt token). ``public_blocks``: as
+        the engine's ``Sequence.public_blocks`` (shared-public tenancy)."""
         n = len(token_ids)
         limit = ((n - 1) // self.block_size) * self.block_size if reusable_only and n else n
-        return list(block_hasher(self.seed, self.block_size, self.hash_fn, cache_salt, adapter_id)
+        return list(block_hasher(self.seed, self.block_size, self.hash_fn, cache_salt, adapter_id, public_blocks)
                     .update(token_ids, limit))
 
 

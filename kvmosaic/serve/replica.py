@@ -32,6 +32,13 @@ def _model_info(engine) -> dict[str, Any]:
             "block_size": c.block_size, "hash_algo": c.hash_algo}
 
 
+def replica_engine_config(engine_args, server_args):
+    """The engine config a replica runs: ``kvmosaic serve``'s (the same ``EngineArgs`` and the
+    server's overrides), with torch threads defaulting to the replica's whole CPUs."""
+    threads = engine_args.num_threads or max(1, int(server_args.replica_cpus))
+    return engine_args.create_engine_config(num_threads=threads, **server_args.engine_overrides())
+
+
 class EngineReplica:
     def __init__(self, engine_args, server_args) -> None:
         from ..engine.llm_engine import LLMEngine
@@ -44,8 +51,7 @@ class EngineReplica:
         self.events = f"tcp://127.0.0.1:{free_port()}"
         self.replay = f"tcp://127.0.0.1:{free_port()}"
         self.publisher = ZmqEventPublisher(self.events, replay_endpoint=self.replay)
-        threads = engine_args.num_threads or max(1, int(server_args.replica_cpus))
-        config = engine_args.create_engine_config(num_threads=threads, **server_args.engine_overrides())
+        config = replica_engine_config(engine_args, server_args)
         self.engine = AsyncEngine.launch(lambda: LLMEngine(config), on_flush=self.publisher.publish)
         self.model_name = server_args.served_model_name or self.engine.engine.model_name
         self.app = build_server(self.engine, server_args, self.model_name)

@@ -12,11 +12,12 @@ what may be shared:
 * ``shared`` (no tenants known): one namespace, as vLLM without ``cache_salt``; a body
   ``cache_salt`` is used as sent. For one trusted user: every caller can probe every prompt.
 * ``shared-public``: as ``isolated``, except that a *public* prefix is hashed without the
-  salt and so shared by every tenant; the salt enters at the first block after it
-  (:func:`kvmosaic.cache.hashing.public_prefix_salt`). A prefix is public when the operator
-  registered it (``--public-prefix-file``: texts, or chain hashes ``sha256:<hex>`` of the last
-  public block) or the request marks it (``public_prefix``: the first N chat messages, or
-  the first N characters / token ids of a completion prompt). Only whole blocks are public.
+  salt and so shared by every tenant; the salt enters at the first block after it (the
+  count travels as ``ProcessedPrompt.public_blocks`` into ``cache.hashing.CacheNamespace``).
+  A prefix is public when the operator registered it (``--public-prefix-file``: texts, or
+  chain hashes ``sha256:<hex>`` of the last public block) or the request marks it
+  (``public_prefix``: the first N chat messages, or the first N characters / token ids of a
+  completion prompt). Only whole blocks are public.
   A caller can learn that a public text is cached, and nothing about anyone's private text.
 
 No ``LLM(tenancy=...)``: the offline API has one caller, the process that owns the engine, its
@@ -42,7 +43,6 @@ import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ..cache.hashing import public_prefix_salt
 from .errors import APIError
 
 log = logging.getLogger(__name__)
@@ -213,8 +213,9 @@ class TenantPolicy:
 
     async def resolve(self, engine, req, prompt, salt: str | None):
         """The prompt and salt to queue. In ``shared-public`` mode the prompt is tokenised
-        here (off the event loop) to find its public head, and the salt says how many
-        leading blocks are public; otherwise both are returned unchanged."""
+        here (off the event loop) to find its public head, and the processed prompt carries
+        the salt and how many leading blocks are public (``public_blocks``); otherwise both
+        are returned unchanged."""
         if self.mode != "shared-public":
             return prompt, salt
         return await asyncio.to_thread(self._resolve_sync, engine, req, prompt, salt)
@@ -225,7 +226,7 @@ class TenantPolicy:
         processed = engine.inputs.process(prompt, None)
         marked = self._marked_tokens(engine, req, prompt)
         n = self.public_blocks(processed.prompt_token_ids, marked)
-        return replace(processed, cache_salt=public_prefix_salt(n, salt)), None
+        return replace(processed, cache_salt=salt, public_blocks=n), None
 
     @staticmethod
     def _marked_tokens(engine, req, prompt) -> list[int] | None:

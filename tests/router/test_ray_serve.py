@@ -43,7 +43,7 @@ def cluster():
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
     try:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(2, "cache-aware", {"num_kv_blocks": NUM_KV_BLOCKS, "dtype": "float32"}),
+        serve.run(build_app({"replicas": 2, "router": "cache-aware", "num_kv_blocks": NUM_KV_BLOCKS, "dtype": "float32"}),
                   name="kvmosaic", route_prefix="/")
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -1,0 +1,97 @@
+"""One set of arguments: every engine option is a flag, and a Ray replica runs exactly the
+engine config one server runs from the same command line (issue 20)."""
+
+from __future__ import annotations
+
+import argparse
+import pickle
+from dataclasses import asdict, fields
+
+import pytest
+
+from kvmosaic.engine.arg_utils import EngineArgs
+from kvmosaic.engine.config import EngineConfig
+from kvmosaic.server.args import ServerArgs
+from kvmosaic.server.cli import add_arguments
+
+# A value other than the default for every engine field, as a user would type it.
+ENGINE_FLAGS = {
+    "model": ["--model", "{gguf}"], "dtype": ["--dtype", "float32"], "device": ["--device", "cpu"],
+    "quantization": ["--quantization", "int8"], "block_size": ["--block-size", "32"],
+    "num_kv_blocks": ["--num-kv-blocks", "77"], "kv_cache_memory": ["--kv-cache-memory", "2G"],
+    "max_num_batched_tokens": ["--max-num-batched-tokens", "1024"], "max_num_seqs": ["--max-num-seqs", "9"],
+    "cascade_attention": ["--no-cascade-attention"], "max_model_len": ["--max-model-len", "512"],
+    "enable_prefix_caching": ["--no-enable-prefix-caching"], "prefix_cache": ["--prefix-cache", "radix"],
+    "hash_algo": ["--hash-algo", "xxh3_128"], "verify_tokens": ["--verify-tokens"],
+    "scheduling_policy": ["--scheduling-policy", "lpm"], "eviction_policy": ["--eviction-policy", "lru"],
+    "num_threads": ["--num-threads", "3"], "segment_reuse": ["--segment-reuse", "blend"],
+    "blend_ratio": ["--blend-ratio", "0.3"], "blend_threshold": ["--blend-threshold", "0.7"],
+    "blend_check_layer": ["--blend-check-layer", "3"], "segment_cache_memory": ["--segment-cache-memory", "64M"],
+    "segment_separator": ["--segment-separator", "<|doc|>"],
+    "kv_tiers": ["--kv-tier", "host:1GiB", "--kv-tier", "disk:{tmp}:1GiB"],
+    "kv_tier_load_timeout": ["--kv-tier-load-timeout", "0.5"],
+    "enable_kv_events": [],  # not a flag: the server turns it on (events endpoint, replicas)
+}
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(argv)
+
+
+@pytest.fixture
+def argv(shipped_gguf, tmp_path) -> list[str]:
+    return [a.format(gguf=shipped_gguf, tmp=tmp_path) for flags in ENGINE_FLAGS.values() for a in flags]
+
+
+def test_every_engine_field_is_declared_once_and_is_a_flag():
+    assert [f.name for f in fields(EngineConfig)] == [f.name for f in fields(EngineArgs)]
+    assert set(ENGINE_FLAGS) == {f.name for f in fields(EngineArgs)}, "a new field needs a row above"
+    assert [f.name for f in fields(EngineArgs) if not f.metadata["cli"]] == ["enable_kv_events"]
+
+
+def test_a_replica_gets_the_config_one_server_gets(argv):
+    from kvmosaic.serve.replica import replica_engine_config
+
+    ns = parse([*argv, "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--api-key", "A"])
+    engine_args, server_args = EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns)
+    single = asdict(engine_args.create_engine_config(**server_args.engine_overrides()))  # server/cli.py's run
+    # what Ray hands a replica is a pickled copy of the same two objects
+    replica = asdict(replica_engine_config(*pickle.loads(pickle.dumps((engine_args, server_args)))))
+    assert replica == single
+    defaults = asdict(EngineArgs())
+    same = [k for k, v in single.items() if v == defaults[k]]
+    # every option travelled: each differs from its default, but for eviction (lru is the only
+    # policy) and enable_prefix_caching (the explicit --prefix-cache radix wins over it)
+    assert same == ["enable_prefix_caching", "eviction_policy"], same
+
+
+def test_replicas_without_events_flag_still_publish_for_the_router(argv):
+    from kvmosaic.serve.replica import replica_engine_config
+
+    ns = parse([*argv, "--replicas", "2"])
+    assert replica_engine_config(EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns)).enable_kv_events
+
+
+def test_the_serve_config_dict_builds_the_same_args(argv):
+    from kvmosaic.serve.app import split_args
+
+    ns = parse([*argv, "--api-key", "A", "--api-key", "B", "--admin-key", "X", "--replicas", "3"])
+    engine_args, server_args = EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns)
+    given = {k: v for k, v in vars(ns).items() if v is not None and v != []}
+    got_engine, got_server = split_args({k.replace("_", "-") if k == "kv_tiers" else k: v for k, v in given.items()})
+    assert got_engine == engine_args
+    assert {**asdict(got_server), "api_key_salt": None} == {**asdict(server_args), "api_key_salt": None}
+    with pytest.raises(ValueError, match="unknown kvmosaic options"):
+        split_args({"replicas": 2, "dtpye": "float32"})
+
+
+def test_the_tenant_secret_is_fixed_once_and_travels():
+    args = ServerArgs(api_key=["A", "B"])
+    assert args.api_key_salt  # generated: the tenancy is isolated
+    copy = pickle.loads(pickle.dumps(args))  # a replica's
+    assert copy.tenant_policy().cache_salt("A", None) == args.tenant_policy().cache_salt("A", None)
+    assert args.tenant_policy().cache_salt("A", None) != args.tenant_policy().cache_salt("B", None)
+    assert ServerArgs().api_key_salt is None and ServerArgs().tenancy_mode == "shared"
+    assert "api_key" not in repr(args) and args.api_key_salt not in repr(args)
