@@ -1,8 +1,10 @@
 """Malformed and hostile requests: each gets a 4xx in OpenAI's error shape that says what is
 wrong, the server stays up, and the engine is left exactly as it was (no block in use, no
-request queued, nothing counted)."""
+request queued, nothing counted) — on one process and through ``--replicas 2``."""
 
 from __future__ import annotations
+
+import re
 
 import httpx
 import pytest
@@ -13,10 +15,11 @@ MAX_BODY = 16 * 1024
 CONTEXT = 128
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=[None, 2], ids=["one-process", "replicas-2"])
+def server(request):
+    replicas = ["--replicas", str(request.param)] if request.param else []
     with ServerProcess("--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", str(CONTEXT),
-                       "--max-body-bytes", str(MAX_BODY)) as proc:
+                       "--max-body-bytes", str(MAX_BODY), *replicas) as proc:
         yield proc
 
 
@@ -84,9 +87,9 @@ def test_rejected_with_a_clear_message(server, path, body, status, words, param)
     assert words in err["message"], err["message"]
     if param is not None:
         assert err["param"] == param
-    health = server.health()
-    assert server.alive() and health["kv"]["num_used_blocks"] == 0
-    assert health["requests"] == {"running": 0, "waiting": 0}
+    assert server.alive()
+    for health in server.pool_healths():
+        assert health["kv"]["num_used_blocks"] == 0 and health["requests"] == {"running": 0, "waiting": 0}
 
 
 def test_a_chunked_body_over_the_limit_is_cut_off(server):
@@ -107,8 +110,10 @@ def test_wrong_method(server):
 def test_rejections_left_the_engine_untouched_and_it_still_serves(server):
     metrics = httpx.get(server.url + "/metrics").text
     for name in ("prefix_cache_queries_total", "prompt_tokens_total", "generation_tokens_total"):
-        assert f'kvmosaic:{name}{{model_name="SmolLM2-135M-Instruct"}} 0.0' in metrics, name
+        samples = re.findall(rf'^kvmosaic:{name}{{model_name="SmolLM2-135M-Instruct"(?:,replica="\w+")?}} (\S+)$',
+                             metrics, re.M)
+        assert samples and all(v == "0.0" for v in samples), name
     assert "kvmosaic:request_success_total{" not in metrics
     r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
-    assert server.health()["kv"]["num_used_blocks"] == 0
+    assert all(h["kv"]["num_used_blocks"] == 0 for h in server.pool_healths())
