@@ -112,3 +112,29 @@ def test_kl_of_log_probabilities():
     assert (kl(p, q) > 0).all()
     ref = torch.nn.functional.kl_div(q, p, log_target=True, reduction="none").sum(-1)
     assert torch.allclose(kl(p, q), ref, atol=1e-5)
+
+
+def test_scale_configs_fit_the_cores_and_ratios_add_up():
+    from kvmosaic.bench.scale import CACHE_AWARE, FRONT, ROUND_ROBIN, SINGLE, configs, pooled_hit_rate, ratios
+    from kvmosaic.bench.serve_report import LevelResult
+
+    flags = configs(2, "float32", 100, [])
+    assert flags[SINGLE][flags[SINGLE].index("--num-kv-blocks") + 1] == "200"  # as many blocks as both replicas
+    for name in (CACHE_AWARE, ROUND_ROBIN):  # two replicas fit on 2 cores (the front reserves none)
+        f = flags[name]
+        assert 2 * float(f[f.index("--replica-cpus") + 1]) <= 2 and f[f.index("--num-threads") + 1] == "1"
+    assert flags[FRONT][:len(flags[SINGLE])] == flags[SINGLE]  # the same engine flags as the single server
+
+    def row(peer, wl, ttft, tps, cached, prompt=1000):
+        return LevelResult(peer, wl, "closed", 1, 4, 0, 1.0, prompt, 64, cached, ttft, ttft, None, None, tps, tps)
+
+    rows = [row(SINGLE, "shared-prefix", 0.100, 40, 800), row(FRONT, "shared-prefix", 0.112, 38, 800),
+            row(CACHE_AWARE, "multi-tenant", 0.2, 20, 600), row(ROUND_ROBIN, "multi-tenant", 0.3, 10, 300),
+            row(SINGLE, "multi-tenant", 0.2, 40, 700)]
+    lines = ratios(rows)
+    assert any("front overhead" in line and "+12.0 ms" in line for line in lines)
+    assert any(f"{CACHE_AWARE} / {SINGLE} output tok/s = 0.50" in line for line in lines)
+    assert any(line.startswith("multi-tenant, all levels") and line.endswith("= 2.00") for line in lines)
+    assert pooled_hit_rate(rows + [row(CACHE_AWARE, "multi-tenant", 0.2, 20, 0)], CACHE_AWARE, "multi-tenant") == 0.3
+    assert "n/a (round-robin 0)" in ratios([row(CACHE_AWARE, "multi-tenant", 0.2, 20, 5),
+                                            row(ROUND_ROBIN, "multi-tenant", 0.2, 20, 0)])[-1]

@@ -1,6 +1,7 @@
 """``kvmosaic bench WORKLOAD [--peers ...] [--quick] [--seed N] [--out results/]``, and
 ``kvmosaic bench serve [--concurrency 1,4,16,32] [--rate R]``: the serving benchmark of
-:mod:`.serving` (HTTP servers driven by openai clients).
+:mod:`.serving` (HTTP servers driven by openai clients); ``kvmosaic bench scale``: one server
+against replicas on the same cores (:mod:`.scale`).
 
 Runs the workloads of docs/ARCHITECTURE.md on kvmosaic and its peers (each in its own worker process,
 loaded once, requests interleaved), prints a markdown table and writes it, a JSON dump of every
@@ -27,11 +28,12 @@ from .workloads import BUILDERS, build
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .scale import add_scale_arguments
     from .serving import SERVE_PEERS, add_serve_arguments
 
-    p.add_argument("workload", choices=[*BUILDERS, "all", "serve", "batch-16"],
-                   help="a benchmark workload (docs/ARCHITECTURE.md), all, serve (the serving benchmark) or batch-16 "
-                        "(16 shared-prefix prompts submitted together)")
+    p.add_argument("workload", choices=[*BUILDERS, "all", "serve", "batch-16", "scale"],
+                   help="a benchmark workload (docs/ARCHITECTURE.md), all, serve (the serving benchmark), batch-16 "
+                        "(16 shared-prefix prompts submitted together) or scale (one server vs replicas)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all but kvmosaic-hash-int8; with --quick: "
                         f"{', '.join(QUICK_PEERS)}); "
@@ -49,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--benchmarks-md", default=None, metavar="PATH",
                    help="also write the table and plots into this file's issue-5 section (plots to docs/bench/)")
     add_serve_arguments(p)
+    add_scale_arguments(p)
 
 
 def command_line(args: argparse.Namespace) -> str:
@@ -95,6 +98,10 @@ def run(args: argparse.Namespace) -> int:
         from .batch import run as run_batch
 
         return run_batch(args)
+    if args.workload == "scale":
+        from .scale import run as run_scale
+
+        return run_scale(args)
     args.peers = args.peers or ",".join(QUICK_PEERS if args.quick else DEFAULT_PEERS)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -48,31 +48,30 @@ def measure_tokens(text: str) -> int:
     return len(load_tokenizer_for(None).encode(text, add_special_tokens=False))
 
 
+def conversations(systems: list[str], order: list[int]) -> list[list[dict]]:
+    """The chat requests of a schedule: request ``i`` is tenant ``order[i]``'s system prompt and a
+    short question of its own."""
+    return [[{"role": "system", "content": systems[t]},
+             {"role": "user", "content": f"Question {i}: what is {i} + {t}?"}] for i, t in enumerate(order)]
+
+
 def run_policy(policy: str, args, systems: list[str], order: list[int], num_kv_blocks: int) -> dict:
-    import ray
-    from ray import serve
+    from ..server.launch import ServerProcess
 
-    from ..serve.app import build_app
-    from ..server.launch import free_port
-
-    port = free_port()
-    ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True, log_to_driver=False)
-    serve.start(http_options={"host": "127.0.0.1", "port": port})
-    serve.run(build_app(2, policy, {"num_kv_blocks": num_kv_blocks}), name="kvmosaic", route_prefix="/")
-    url, prompt, cached, t0 = f"http://127.0.0.1:{port}", 0, 0, time.perf_counter()
+    server = ServerProcess("--replicas", "2", "--router", policy, "--num-kv-blocks", str(num_kv_blocks))
+    prompt, cached = 0, 0
     try:
-        for i, t in enumerate(order):
-            body = {"messages": [{"role": "system", "content": systems[t]},
-                                 {"role": "user", "content": f"Question {i}: what is {i} + {t}?"}],
-                    "max_tokens": 4, "temperature": 0}
+        server.start(timeout=600)
+        url, t0 = server.url, time.perf_counter()
+        for messages in conversations(systems, order):
+            body = {"messages": messages, "max_tokens": 4, "temperature": 0}
             usage = httpx.post(url + "/v1/chat/completions", json=body, timeout=600).json()["usage"]
             prompt += usage["prompt_tokens"]
             cached += usage["prompt_tokens_details"]["cached_tokens"]
         seconds = time.perf_counter() - t0
         metrics = httpx.get(url + "/metrics", timeout=30).text
     finally:
-        serve.shutdown()
-        ray.shutdown()
+        server.stop()
 
     def metric(name: str) -> float:
         m = re.search(rf"^{name}_total(?:{{[^}}]*}})? ([0-9.e+]+)$", metrics, re.MULTILINE)

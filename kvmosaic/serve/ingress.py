@@ -91,7 +91,7 @@ class Answer:
         return self.body is None
 
 
-@serve.deployment(ray_actor_options={"num_cpus": 0.1}, max_ongoing_requests=4096)  # async relaying only
+@serve.deployment(ray_actor_options={"num_cpus": 0}, max_ongoing_requests=4096)  # async relaying: no CPU reserved
 @serve.ingress()
 class OpenAIIngress:
     def __init__(self, engines, engine_args, server_args, retries: int = 3) -> None:
