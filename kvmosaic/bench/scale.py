@@ -5,7 +5,7 @@ Configurations (each ``kvmosaic serve`` as a child process, started one at a tim
 
 - ``single``: one engine process, ``--num-threads CORES``;
 - ``2x cache-aware`` / ``2x round-robin``: ``--replicas 2 --router POLICY``, one torch thread per
-  replica (``--num-threads 1``; each reserves ``(CORES - 0.1) / 2`` Ray CPUs: the front takes 0.1);
+  replica (``--num-threads 1``; each reserves ``CORES / 2`` Ray CPUs: the front reserves none);
 - ``1x front``: ``--replicas 1`` with the single server's engine flags, shared-prefix at
   concurrency 1 only: the cost of the Ray Serve front (TTFT p50 minus the single server's).
 

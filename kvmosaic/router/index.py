@@ -15,7 +15,18 @@ Invariants (tests: ``tests/router/test_index.py``):
   a decision at 256 replicas stays well under a millisecond.
 
 The ``medium`` of an event (where the block lives: the pool, or a tier below it) earns a
-credit: a hit in a slow tier is worth less than one in the pool.
+credit: a hit in a slow tier is worth less than one in the pool. A replica that announced a
+block in several media is credited for the best of them (its pool, not the tier it also wrote).
+
+**Shared tiers** (``SHARED_MEDIA``: Redis). A block one replica announced in a shared medium
+can be loaded by every replica configured with that tier, so :meth:`ClusterIndex.match` counts
+it as held, at that medium's credit, by every replica that has announced the same shared medium
+(``ReplicaView.shared_media``: the replicas that have that tier), not only by its writer. The
+events name a medium, not an address: replicas announcing the same shared medium are taken to
+share one store (``kvmosaic serve`` gives every replica the same ``--kv-tier``). The index
+knows a shared block while some replica's view holds it (it leaves with the last holder's
+view, e.g. when every holder's pool evicted it); Redis evicts silently, so the credit is a
+prediction and a block Redis dropped costs a miss (the replica computes it), not an error.
 """
 
 from __future__ import annotations
@@ -37,8 +48,18 @@ from ..server.events import (
 TIER_CREDIT = {"gpu": 1.0, "cpu": 1.0, "pool": 1.0, "host": 0.8, "cpu_tier": 0.8, "disk": 0.5, "redis": 0.4}
 
 
+# Media that every replica configured with the tier reads and writes (one store, not a copy each).
+SHARED_MEDIA = frozenset({"redis"})
+
+
 def tier_credit(medium: str | None) -> float:
     return 1.0 if medium is None else TIER_CREDIT.get(medium.lower(), 0.5)
+
+
+def shared_medium(medium: str | None) -> str | None:
+    """``medium`` normalised when it names a shared tier, else None."""
+    m = medium.lower() if medium else None
+    return m if m in SHARED_MEDIA else None
 
 
 @dataclass
@@ -54,6 +75,9 @@ class ReplicaView:
     resets: int = 0
     last_event_at: float | None = None
     lag_s: float = 0.0  # arrival time - publish time of the latest batch
+    # Shared media this replica announced a block in: it has those tiers (kept across resets,
+    # which clear its cache, not its configuration).
+    shared_media: set[str] = field(default_factory=set)
 
 
 @dataclass(frozen=True)
@@ -69,8 +93,12 @@ class ClusterIndex:
         self.block_size = block_size
         self.clock = clock
         self.max_lag_s = max_lag_s
-        self.holders: dict[bytes, dict[str, str | None]] = {}
+        self.holders: dict[bytes, dict[str, str | None]] = {}  # hash -> replica -> its best medium
         self.replicas: dict[str, ReplicaView] = {}
+        # Shared tiers: hash -> shared media announced holding it (only for hashes in
+        # ``holders``), and shared medium -> replicas that have it.
+        self.shared: dict[bytes, set[str]] = {}
+        self.sharing: dict[str, set[str]] = {}
         # Blocks a replica will hold once a request routed to it has prefilled (hash ->
         # replica -> expiry): lets a burst of one tenant's requests follow the first one.
         self.expected: dict[bytes, dict[str, float]] = {}
@@ -90,6 +118,8 @@ class ClusterIndex:
         """A dead replica: route around it, forget what it held."""
         if replica_id in self.replicas:
             self._forget(replica_id)
+            for m in self.replicas[replica_id].shared_media:
+                self.sharing[m].discard(replica_id)
             del self.replicas[replica_id]
 
     def reset_replica(self, replica_id: str) -> None:
@@ -104,12 +134,16 @@ class ClusterIndex:
         for exp in self.expected.values():
             exp.pop(replica_id, None)
         for h in view.blocks.parent:
-            hold = self.holders.get(h)
-            if hold is not None:
-                hold.pop(replica_id, None)
-                if not hold:
-                    del self.holders[h]
+            self._drop_holder(h, replica_id)
         view.blocks.parent.clear()
+
+    def _drop_holder(self, h: bytes, replica_id: str) -> None:
+        hold = self.holders.get(h)
+        if hold is not None:
+            hold.pop(replica_id, None)
+            if not hold:
+                del self.holders[h]
+                self.shared.pop(h, None)
 
     # ---- events --------------------------------------------------------------------------
     def apply(self, replica_id: str, seq: int, batch: KVEventBatch, now: float | None = None) -> bool:
@@ -133,15 +167,23 @@ class ClusterIndex:
     def _apply_event(self, view: ReplicaView, ev) -> None:
         rid = view.replica_id
         if isinstance(ev, BlockStored):
+            shared = shared_medium(ev.medium)
+            if shared is not None and shared not in view.shared_media:
+                view.shared_media.add(shared)
+                self.sharing.setdefault(shared, set()).add(rid)
+            credit = tier_credit(ev.medium)
             for h in ev.block_hashes:
-                self.holders.setdefault(h, {})[rid] = ev.medium
+                hold = self.holders.setdefault(h, {})
+                if rid not in hold or credit > tier_credit(hold[rid]):
+                    hold[rid] = ev.medium
+                if shared is not None:
+                    self.shared.setdefault(h, set()).add(shared)
         elif isinstance(ev, BlockRemoved):
+            shared = shared_medium(ev.medium)
             for h in ev.block_hashes:
-                hold = self.holders.get(h)
-                if hold is not None:
-                    hold.pop(rid, None)
-                    if not hold:
-                        del self.holders[h]
+                if shared is not None and h in self.shared:  # the one store dropped it, for all
+                    self.shared[h].discard(shared)
+                self._drop_holder(h, rid)
         elif isinstance(ev, AllBlocksCleared):
             self._forget(rid)
             view.stale = False
@@ -171,33 +213,52 @@ class ClusterIndex:
 
     def match(self, chain: list[bytes], replica_ids: Iterable[str] | None = None,
               expected: bool = True) -> dict[str, Match]:
-        """Each replica's leading run of ``chain`` (only replicas holding its first block).
+        """Each replica's leading run of ``chain`` (only replicas holding its first block, or
+        having a shared tier that holds it).
 
         With ``expected``, expectations count as held (credit 1; expired ones are swept by
         :meth:`expect`). A replica's blocks of one chain form a prefix of it (a block is
-        stored after its parent; eviction takes a chain's tail first), so each candidate's run
-        is found by binary search: O(candidates x log(blocks)), not O(candidates x blocks).
-        A replica's credit per block is that of the medium its first block is on.
+        stored after its parent; eviction takes a chain's tail first), and so do a shared
+        tier's, so each candidate's run is found by binary search: O(candidates x
+        log(blocks)), not O(candidates x blocks). A replica's own run is credited per block at
+        the medium its first block is on; the blocks past it that only a shared tier it has
+        holds (module docstring), at that tier's credit.
         """
         if not chain:
             return {}
         empty: dict = {}
-        holders, expect = self.holders, (self.expected if expected else empty)
+        holders, expect, shared = self.holders, (self.expected if expected else empty), self.shared
         stored = holders.get(chain[0], empty)
         live = stored.keys() | expect.get(chain[0], empty).keys()
+        for m in shared.get(chain[0], ()):
+            live |= self.sharing.get(m, set())
         if replica_ids is not None:
             live &= set(replica_ids)
         bs, n, out = self.block_size, len(chain), {}
-        for r in live:
-            lo, hi = 1, n  # chain[:lo] held; chain[hi:] not known held
+
+        def own(r: str, h: bytes) -> bool:
+            return r in holders.get(h, empty) or r in expect.get(h, empty)
+
+        def run(held: Callable[[bytes], bool], lo: int) -> int:
+            hi = n  # chain[:lo] held; chain[hi:] not known held
             while lo < hi:
                 mid = (lo + hi) // 2
-                h = chain[mid]
-                if r in holders.get(h, empty) or r in expect.get(h, empty):
+                if held(chain[mid]):
                     lo = mid + 1
                 else:
                     hi = mid
-            out[r] = Match(lo, lo * bs * (tier_credit(stored[r]) if r in stored else 1.0))
+            return lo
+
+        for r in live:
+            mine = run(lambda h, r=r: own(r, h), 1) if own(r, chain[0]) else 0
+            total = mine
+            credit = mine * (tier_credit(stored[r]) if r in stored else 1.0)
+            for m in self.replicas[r].shared_media if r in self.replicas and mine < n else ():
+                got = run(lambda h, r=r, m=m: own(r, h) or m in shared.get(h, empty), mine)
+                if got > total:  # the shared tier holds more: its blocks past the own run
+                    total, credit = got, credit + (got - mine) * tier_credit(m)
+                    break  # (a replica has one shared tier in practice)
+            out[r] = Match(total, credit * bs)
         return out
 
     def cached_hashes(self, replica_id: str) -> set[bytes]:

@@ -13,6 +13,7 @@ shared by the module's tests.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -136,6 +137,7 @@ def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
     assert victim_pid != os.getpid() and st["replicas"][victim_rid]["index"]
 
     results: list[httpx.Response | Exception] = []
+    streams: list[dict] = []
 
     def client(i: int) -> None:
         try:
@@ -143,20 +145,40 @@ def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
         except Exception as e:  # noqa: BLE001 - counted as a lost request
             results.append(e)
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    def streamer(i: int) -> None:
+        done, error, cut = False, None, None
+        try:
+            with httpx.stream("POST", cluster + "/v1/chat/completions", timeout=300,
+                              json={**body("a", f"Stream {i}?", 48), "stream": True}) as r:
+                for line in r.iter_lines():
+                    if line == "data: [DONE]":
+                        done = True
+                    elif line.startswith("data: {") and '"error"' in line:
+                        error = json.loads(line[6:])["error"]
+        except Exception as e:  # noqa: BLE001 - a silent cut
+            cut = repr(e)
+        streams.append({"done": done, "error": error, "cut": cut})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
+    threads += [threading.Thread(target=streamer, args=(i,)) for i in range(8)]
     for th in threads:
         th.start()
     deadline = time.monotonic() + 60
-    while router_state(cluster)["inflight"].get(victim_rid, 0) < 2 and time.monotonic() < deadline:
+    while router_state(cluster)["inflight"].get(victim_rid, 0) < 8 and time.monotonic() < deadline:
         time.sleep(0.05)  # kill while requests are on the victim (prefilling or decoding)
     os.kill(victim_pid, signal.SIGKILL)
     for th in threads:
         th.join(timeout=300)
-    assert len(results) == 4
+    assert len(results) == 24 and len(streams) == 8
     assert all(isinstance(r, httpx.Response) and r.status_code == 200 for r in results), results
     retried = [r for r in results if int(r.headers["x-kvmosaic-attempts"]) > 1]
     assert retried, "no request was on the victim when it died"
     assert all(r.headers["x-kvmosaic-replica"] != victim_rid for r in retried)
+    # a stream either finished or ended with an explicit error event, then [DONE]: never silently
+    assert all(s["cut"] is None and s["done"] for s in streams), streams
+    assert all(s["error"] is None or s["error"]["code"] == "replica_failed" for s in streams), streams
+    print(f"\nreplica SIGKILLed with 32 requests: {len(retried)} of 24 non-streamed retried elsewhere, 0 lost; "
+          f"{sum(s['error'] is not None for s in streams)} of 8 streams ended with an explicit error, 0 silently")
 
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:

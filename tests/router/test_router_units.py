@@ -12,11 +12,13 @@ from kvmosaic.cache.manager import HashCacheManager, PlainRequest
 from kvmosaic.router import (
     CacheAware,
     ClusterIndex,
+    Match,
     PromptHasher,
     ReplicaLoad,
     RouteRequest,
     make_policy,
 )
+from kvmosaic.router.index import tier_credit
 from kvmosaic.server.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -88,6 +90,49 @@ def test_tier_credit_and_expectations():
     assert m["b"].blocks == 2 and m["b"].credit_tokens == 8
     index.expect("c", chain, ttl_s=1.0, now=0.0)
     assert index.match(chain)["c"].blocks == len(chain) and "c" not in index.match(chain, expected=False)
+
+
+def test_a_shared_tier_credits_every_replica_that_has_it():
+    """A block in Redis (a shared tier) is held, at Redis's credit, by every replica that announced
+    Redis; its writer keeps its pool credit; a replica without Redis gets nothing."""
+    index = ClusterIndex(4, clock=lambda: 0.0)
+    chain = H.hashes(list(range(3, 30)))  # 6 blocks
+    n, redis = len(chain), tier_credit("redis")
+    assert redis < tier_credit("CPU")
+    # a computes the prompt: pool first, then the write-through to Redis
+    index.apply("a", 0, KVEventBatch(0.0, [stored(chain, "CPU"), stored(chain, "redis")]), now=0.0)
+    # b has the Redis tier (it wrote some other block there) and holds chain's first 2 blocks in
+    # its pool; c has no Redis tier
+    other = H.hashes(list(range(500, 510)))
+    index.apply("b", 0, KVEventBatch(0.0, [stored(other, "CPU"), stored(other, "redis"),
+                                          stored(chain[:2], "CPU")]), now=0.0)
+    index.apply("c", 0, KVEventBatch(0.0, [stored(other, "CPU")]), now=0.0)
+    m = index.match(chain, expected=False)
+    assert set(m) == {"a", "b"}
+    assert m["a"] == Match(n, 4.0 * n)  # the writer: its pool, not the tier it also wrote
+    assert m["b"] == Match(n, 4 * (2 + redis * (n - 2)))
+    assert index.match(chain, ["b", "c"], expected=False)["b"].blocks == n
+    assert index.match(other, expected=False)["a"].blocks == len(other)  # a has Redis too
+    # the cache-aware policy predicts the Redis blocks for b
+    pol = CacheAware(index, H, expect_ttl_s=0)
+    req = RouteRequest("1", list(range(3, 30)), hashes=chain)
+    assert pol.choose(req, [ReplicaLoad("a", 10_000), ReplicaLoad("b", 0)]) == ("b", "cache_hit")
+    assert req.predicted_cached_tokens == 4 * n
+    # a's pool evicts the chain's tail: Redis still holds it while the index knows the block
+    index.apply("a", 1, KVEventBatch(0.0, [BlockRemoved(chain[4:], "CPU")]), now=0.0)
+    assert index.match(chain, expected=False)["b"].blocks == 4  # the tail left with its last holder
+    # Redis dropped block 3 (corrupt, announced): gone for every replica sharing it
+    index.apply("a", 2, KVEventBatch(0.0, [BlockRemoved([chain[3]], "redis")]), now=0.0)
+    assert index.match(chain, expected=False)["b"] == Match(3, 4 * (2 + redis))
+    # the writer dies: nothing of its announcements is left behind
+    index.remove_replica("a")
+    assert index.match(chain, expected=False)["b"] == Match(2, 8.0)
+    assert set(index.shared) == set(other) | set(chain[:2]) and index.sharing["redis"] == {"b"}
+    index.apply("b", 1, KVEventBatch(0.0, [AllBlocksCleared()]), now=0.0)
+    assert set(index.shared) == set(other)  # c's pool still holds them
+    assert index.match(other, expected=False)["b"].blocks == len(other)
+    index.remove_replica("c")
+    assert not index.shared and not index.holders and index.replicas["b"].shared_media == {"redis"}
 
 
 def test_cache_aware_prefers_holder_balances_when_loaded_and_falls_back_when_stale():
