@@ -30,6 +30,7 @@ ENGINE_FLAGS = {
     "segment_separator": ["--segment-separator", "<|doc|>"],
     "kv_tiers": ["--kv-tier", "host:1GiB", "--kv-tier", "disk:{tmp}:1GiB"],
     "kv_tier_load_timeout": ["--kv-tier-load-timeout", "0.5"],
+    "kv_tier_secret": ["--kv-tier-secret", "s3cret"], "kv_tier_secret_file": ["--kv-tier-secret-file", "{tmp}/secret"],
     "enable_kv_events": [],  # not a flag: the server turns it on (events endpoint, replicas)
 }
 
@@ -95,3 +96,11 @@ def test_the_tenant_secret_is_fixed_once_and_travels():
     assert args.tenant_policy().cache_salt("A", None) != args.tenant_policy().cache_salt("B", None)
     assert ServerArgs().api_key_salt is None and ServerArgs().tenancy_mode == "shared"
     assert "api_key" not in repr(args) and args.api_key_salt not in repr(args)
+
+
+def test_events_carry_no_token_ids_where_tenants_exist_unless_opted_in():
+    assert ServerArgs().events_carry_token_ids, "one trusted user: token ids, as vLLM publishes them"
+    assert not ServerArgs(api_key=["A"]).events_carry_token_ids
+    assert ServerArgs(api_key=["A"], kv_events_token_ids=True).events_carry_token_ids
+    assert ServerArgs(api_key=["A"], kv_events_curve_secret_key="k" * 40).events_carry_token_ids
+    assert not ServerArgs(kv_events_no_token_ids=True).events_carry_token_ids

@@ -153,6 +153,8 @@ class OpenAIIngress:
                 tail = (tail + chunk)[-8192:]
                 yield chunk
             done = True
+            if not tail.rstrip().endswith(b"data: [DONE]"):  # the replica's stream stopped short
+                raise RayActorError(f"the stream from replica {answer.replica} ended without [DONE]")
         except REPLICA_GONE as e:
             log.warning("replica %s died mid-stream: %s", answer.replica, e)
             yield sse(error_body(502, "the replica serving this stream failed before it finished; retry the "
@@ -217,6 +219,7 @@ class OpenAIIngress:
         router = self.router()
         if router is None:
             return {"router": None, "replicas": {}}
+        router.sync(list(router.curr_replicas.values()))  # pids and events, before any request
         with router.follower.lock:
             replicas = {rid: {"pid": router.pids.get(rid), "fresh": router.index.fresh(rid), "gaps": view.gaps,
                               "stale": view.stale, "next_seq": view.next_seq,

@@ -4,8 +4,9 @@ Invariants: a replica runs the single-process server's app, built by the same fu
 the same arguments (``server.app.build_server(engine, ServerArgs)``), so its authentication,
 tenancy, limits, validation and answers are ``kvmosaic serve``'s; its engine config comes from
 the same ``EngineArgs`` (``tests/test_args.py``). Its engine publishes every cache event on its
-own loopback ZeroMQ endpoint (with replay), named in its routing stats together with an
-``instance`` id that changes when the replica restarts. Answers leave as they are made:
+own ZeroMQ endpoint (with replay; loopback unless ``--ray-address`` joined a cluster; block
+hashes only, no token ids), named in its routing stats with an ``instance`` id that changes
+when the replica restarts. Answers leave as they are made:
 :meth:`EngineReplica.handle` is a generator (the response head, then each body chunk).
 """
 
@@ -32,6 +33,12 @@ def _model_info(engine) -> dict[str, Any]:
             "block_size": c.block_size, "hash_algo": c.hash_algo}
 
 
+def node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
 def replica_engine_config(engine_args, server_args):
     """The engine config a replica runs: ``kvmosaic serve``'s (the same ``EngineArgs`` and the
     server's overrides), with torch threads defaulting to the replica's whole CPUs."""
@@ -48,9 +55,12 @@ class EngineReplica:
         from ..server.launch import free_port
 
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
-        self.events = f"tcp://127.0.0.1:{free_port()}"
-        self.replay = f"tcp://127.0.0.1:{free_port()}"
-        self.publisher = ZmqEventPublisher(self.events, replay_endpoint=self.replay)
+        # Hashes only (the router needs no token ids: it hashes prompts itself), so no tenant's
+        # text is on the wire; on a joined cluster the router may be on another host: node's IP.
+        host = node_ip() if server_args.ray_address else "127.0.0.1"
+        self.events, self.replay = f"tcp://{host}:{free_port()}", f"tcp://{host}:{free_port()}"
+        self.publisher = ZmqEventPublisher(self.events, replay_endpoint=self.replay, include_token_ids=False,
+                                           allow_remote=host != "127.0.0.1")
         config = replica_engine_config(engine_args, server_args)
         self.engine = AsyncEngine.launch(lambda: LLMEngine(config), on_flush=self.publisher.publish)
         self.model_name = server_args.served_model_name or self.engine.engine.model_name

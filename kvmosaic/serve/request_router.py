@@ -68,7 +68,8 @@ class KVMosaicRouter(FIFOMixin, RequestRouter):
         serve_state.register(self._deployment_id.name, self)
 
     # ---- membership ----------------------------------------------------------------------
-    def _sync(self, replicas: list[RunningReplica]) -> None:
+    def sync(self, replicas: list[RunningReplica]) -> None:
+        """Learn the replicas' pids and event endpoints from their routing stats."""
         for r in replicas:
             st = r.routing_stats or {}
             rid = r.replica_id.unique_id
@@ -111,7 +112,7 @@ class KVMosaicRouter(FIFOMixin, RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        self._sync(candidate_replicas)
+        self.sync(candidate_replicas)
         routed = pending_request.args[0] if pending_request is not None and pending_request.args else {}
         if not isinstance(routed, dict):
             routed = {}

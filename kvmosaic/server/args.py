@@ -58,6 +58,9 @@ class ServerArgs:
     kv_events_topic: str = option("", group=EVENTS)
     kv_events_no_token_ids: bool = option(False, "publish block hashes without their token ids (what a "
                                                  "hash-based router needs)", group=EVENTS)
+    kv_events_token_ids: bool = option(False, "with API keys, publish token ids too (by default they are left "
+                                              "out unless subscribers authenticate with CURVE: a subscriber "
+                                              "would read every tenant's prompts)", group=EVENTS)
     kv_events_allow_remote: bool = option(False, "allow event/replay endpoints beyond loopback (subscribers "
                                                  "learn every tenant's blocks)", group=EVENTS)
     kv_events_curve_secret_key: str | None = option(None, "authenticate event subscribers with ZeroMQ CURVE: "
@@ -111,6 +114,16 @@ class ServerArgs:
         return TenantPolicy(frozenset(self.api_key), self.api_key_salt.encode() if self.api_key_salt else None,
                             self.tenancy, frozenset(self.admin_key))
 
+    @property
+    def events_carry_token_ids(self) -> bool:
+        """Private by default where tenants exist: with API keys, events (live and replayed) carry
+        block hashes only, unless the admin opts in or subscribers authenticate (CURVE). Hashes
+        are what a router needs; token ids would hand every tenant's prompts to any local
+        subscriber."""
+        if self.kv_events_no_token_ids:
+            return False
+        return not self.api_key or self.kv_events_token_ids or self.kv_events_curve_secret_key is not None
+
     def event_publisher(self):
         """The ZeroMQ publisher of ``--kv-events-endpoint`` (None without one)."""
         if not self.kv_events_endpoint:
@@ -119,7 +132,7 @@ class ServerArgs:
 
         return ZmqEventPublisher(
             self.kv_events_endpoint, self.kv_events_topic, self.kv_events_replay_endpoint,
-            include_token_ids=not self.kv_events_no_token_ids, allow_remote=self.kv_events_allow_remote,
+            include_token_ids=self.events_carry_token_ids, allow_remote=self.kv_events_allow_remote,
             curve_secret_key=self.kv_events_curve_secret_key.encode() if self.kv_events_curve_secret_key else None,
             curve_client_keys=[k.encode() for k in self.kv_events_curve_client_key]
             if self.kv_events_curve_client_key else None)

@@ -138,6 +138,7 @@ def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
 
     results: list[httpx.Response | Exception] = []
     streams: list[dict] = []
+    where: list[str] = []
 
     def client(i: int) -> None:
         try:
@@ -146,26 +147,30 @@ def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
             results.append(e)
 
     def streamer(i: int) -> None:
-        done, error, cut = False, None, None
+        done, error, cut, finish = False, None, None, None
         try:
             with httpx.stream("POST", cluster + "/v1/chat/completions", timeout=300,
-                              json={**body("a", f"Stream {i}?", 48), "stream": True}) as r:
+                              json={**body("a", f"Stream {i}?", 200), "stream": True, "ignore_eos": True}) as r:
+                where.append(r.headers.get("x-kvmosaic-replica"))
                 for line in r.iter_lines():
                     if line == "data: [DONE]":
                         done = True
-                    elif line.startswith("data: {") and '"error"' in line:
-                        error = json.loads(line[6:])["error"]
+                    elif line.startswith("data: {"):
+                        ev = json.loads(line[6:])
+                        error = ev.get("error", error)
+                        finish = next((c["finish_reason"] for c in ev.get("choices", []) if c["finish_reason"]), finish)
         except Exception as e:  # noqa: BLE001 - a silent cut
             cut = repr(e)
-        streams.append({"done": done, "error": error, "cut": cut})
+        streams.append({"done": done, "error": error, "cut": cut, "finish": finish})
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(24)]
-    threads += [threading.Thread(target=streamer, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=streamer, args=(i,)) for i in range(8)]
+    threads += [threading.Thread(target=client, args=(i,)) for i in range(24)]
     for th in threads:
         th.start()
     deadline = time.monotonic() + 60
-    while router_state(cluster)["inflight"].get(victim_rid, 0) < 8 and time.monotonic() < deadline:
-        time.sleep(0.05)  # kill while requests are on the victim (prefilling or decoding)
+    while (victim_rid not in where or router_state(cluster)["inflight"].get(victim_rid, 0) < 4) \
+            and time.monotonic() < deadline:
+        time.sleep(0.05)  # kill while requests, a stream among them, are on the victim
     os.kill(victim_pid, signal.SIGKILL)
     for th in threads:
         th.join(timeout=300)
@@ -176,7 +181,9 @@ def test_killed_replica_loses_no_request_and_leaves_the_index(cluster):
     assert all(r.headers["x-kvmosaic-replica"] != victim_rid for r in retried)
     # a stream either finished or ended with an explicit error event, then [DONE]: never silently
     assert all(s["cut"] is None and s["done"] for s in streams), streams
+    assert all((s["error"] is None) == (s["finish"] == "length") for s in streams), streams
     assert all(s["error"] is None or s["error"]["code"] == "replica_failed" for s in streams), streams
+    assert any(s["error"] for s in streams), ("no stream was on the victim when it died", victim_rid, where)
     print(f"\nreplica SIGKILLed with 32 requests: {len(retried)} of 24 non-streamed retried elsewhere, 0 lost; "
           f"{sum(s['error'] is not None for s in streams)} of 8 streams ended with an explicit error, 0 silently")
 
