@@ -34,7 +34,12 @@ def run(ns: argparse.Namespace) -> int:
         from ..server.cli import run as run_single
 
         return run_single(ns)
-    return run_replicas(EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns))
+    try:
+        engine_args, server_args = EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns)
+        engine_args.create_engine_config(**server_args.engine_overrides())  # checked before Ray starts
+    except ValueError as e:
+        raise SystemExit(f"kvmosaic serve: error: {e}") from None
+    return run_replicas(engine_args, server_args)
 
 
 def _signals() -> threading.Event:

@@ -48,6 +48,10 @@ class ServerArgs:
                                        "set, else shared)", choices=TENANCY_MODES, group=TENANCY)
     admin_key: list[str] = option(help="bearer token for /reset_prefix_cache, /metrics and detailed /health "
                                        "(repeatable)", factory=list, append=True, group=TENANCY, repr=False)
+    tenant_max_requests: int | None = option(None, "with API keys: requests one key may have in flight; more "
+                                                   "get 429 with Retry-After", type=int, group=TENANCY)
+    tenant_max_queued_tokens: int | None = option(None, "with API keys: prompt tokens one key may have in "
+                                                        "flight; more get 429", type=int, group=TENANCY)
     public_prefix_file: str | None = option(None, "shared-public: texts (separated by '---' lines) or "
                                                   "'sha256:<hex>' chain hashes whose blocks every tenant "
                                                   "may share", metavar="PATH", group=TENANCY)
@@ -83,6 +87,10 @@ class ServerArgs:
     def __post_init__(self) -> None:
         if self.tenancy is not None and self.tenancy not in TENANCY_MODES:
             raise ValueError(f"unknown tenancy mode {self.tenancy!r}; choose one of {TENANCY_MODES}")
+        from .events import check_bind  # before any model loads: a bad endpoint is a one-line error
+
+        for endpoint in filter(None, (self.kv_events_endpoint, self.kv_events_replay_endpoint)):
+            check_bind(endpoint, self.kv_events_allow_remote, self.kv_events_curve_secret_key is not None)
         if self.api_key_salt is None and self.tenancy_mode != "shared":
             self.api_key_salt = secrets.token_hex(32)  # fixed here, once: replicas receive this object
 

@@ -47,7 +47,11 @@ def run(ns: argparse.Namespace) -> int:
     from .limits import GuardedH11Protocol
     from .metrics import ServerMetrics
 
-    args, engine_args = ServerArgs.from_cli_args(ns), EngineArgs.from_cli_args(ns)
+    try:
+        args, engine_args = ServerArgs.from_cli_args(ns), EngineArgs.from_cli_args(ns)
+        engine_args.create_engine_config(**args.engine_overrides())  # every option checked before loading
+    except ValueError as e:
+        raise SystemExit(f"kvmosaic serve: error: {e}") from None
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     config = engine_args.create_engine_config(**args.engine_overrides())
     print(f"loading {config.model or 'the shipped model'} ({config.dtype}"

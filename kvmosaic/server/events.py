@@ -8,8 +8,9 @@ visible, because each message carries a sequence number, and repairable, because
 publisher keeps recent batches and replays them on request (a ROUTER socket, as vLLM does).
 
 A message is three frames: ``topic``, an 8-byte big-endian sequence number, and a msgpack
-:class:`KVEventBatch` (msgspec structs encoded as arrays, events tagged by class name: the
-same layout as ``vllm.distributed.kv_events``). Replay: send one frame, the 8-byte first
+:class:`KVEventBatch` (an array ``[ts, events, rank]`` of events encoded as maps tagged by class
+name: the layout of current vLLM's ``vllm.distributed.kv_events``, whose own classes decode it;
+test: ``tests/test_events_vllm.py``). Replay: send one frame, the 8-byte first
 sequence number wanted, to the replay endpoint; the answer is ``(seq, payload)`` pairs from
 there on, then ``(-1, b"")``.
 """
@@ -31,8 +32,10 @@ log = logging.getLogger("kvmosaic.server")
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    pass
+class KVCacheEvent(msgspec.Struct, gc=False, tag=True):
+    """vLLM's layout (``vllm.distributed.kv_events``, 0.32 and 0.33): each event a msgpack map
+    tagged ``"type": "<class name>"``; every field is sent, defaults included, so a decoder
+    that requires a field (vLLM's ``lora_name``) always finds it."""
 
 
 class BlockStored(KVCacheEvent):
@@ -40,20 +43,28 @@ class BlockStored(KVCacheEvent):
     parent_block_hash: bytes | None
     token_ids: list[int]
     block_size: int
-    lora_id: int | str | None
-    medium: str | None
+    lora_id: int | None = None  # deprecated in vLLM for lora_name; kvmosaic's adapter id if an int
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple | None] | None = None  # not sent: they hold the tenant's salt
+    group_idx: int | None = 0  # one KV cache group: full attention on every layer
+    kv_cache_spec_kind: str | None = "full_attention"
+    kv_cache_spec_sliding_window: int | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     block_hashes: list[bytes]
-    medium: str | None
+    medium: str | None = None
+    group_idx: int | None = 0
 
 
 class AllBlocksCleared(KVCacheEvent):
     pass
 
 
-class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    """An array ``[ts, events, data_parallel_rank]``, as vLLM's ``EventBatch``."""
+
     ts: float
     events: list[BlockStored | BlockRemoved | AllBlocksCleared]
     data_parallel_rank: int | None = None
@@ -74,8 +85,9 @@ def check_bind(endpoint: str, allow_remote: bool, authenticated: bool) -> None:
     if is_loopback(endpoint):
         return
     if not allow_remote:
-        raise ValueError(f"refusing to bind cache events to {endpoint} (not loopback): subscribers learn every "
-                         "tenant's cached blocks; pass --kv-events-allow-remote (and CURVE keys) to do it")
+        raise ValueError(f"refusing to publish cache events on {endpoint} (not loopback): subscribers learn every "
+                         "tenant's cached blocks; use tcp://127.0.0.1:PORT, or pass --kv-events-allow-remote "
+                         "(and CURVE keys)")
     if not authenticated:
         log.warning("cache events on %s are readable by anyone who can connect (no CURVE keys)", endpoint)
 
@@ -83,8 +95,10 @@ def check_bind(endpoint: str, allow_remote: bool, authenticated: bool) -> None:
 def to_wire(event: cache_events.KVCacheEvent, include_token_ids: bool = True) -> KVCacheEvent:
     if isinstance(event, cache_events.BlockStored):
         token_ids = list(event.token_ids) if include_token_ids else []
-        return BlockStored(list(event.block_hashes), event.parent_block_hash, token_ids,
-                           event.block_size, event.lora_id, event.medium)
+        lora = event.lora_id
+        return BlockStored(list(event.block_hashes), event.parent_block_hash, token_ids, event.block_size,
+                           lora if isinstance(lora, int) else None, event.medium,
+                           lora_name=lora if isinstance(lora, str) else None)
     if isinstance(event, cache_events.BlockRemoved):
         return BlockRemoved(list(event.block_hashes), event.medium)
     if isinstance(event, cache_events.AllBlocksCleared):
