@@ -21,7 +21,7 @@ from kvmosaic.kv.block_io import BlockIO
 from kvmosaic.kv.connector import KVConnector
 from kvmosaic.kv.paged import PagedKVCache
 from kvmosaic.kv.tiered import TierConnector
-from kvmosaic.tiers import HostTier, TierStack, encode_block
+from kvmosaic.tiers import HostTier, TierStack
 
 BS, BLOCKS = 4, 8
 SHAPE = SimpleNamespace(num_layers=2, num_kv_heads=1, head_dim=4,
@@ -43,7 +43,7 @@ def rig():
     pool = BlockPool(BLOCKS, BS, observer=conn)
     payload = torch.randn(*io.shape).numpy().tobytes()
     for i in (1, 2, 3):  # blocks the source tier holds, as if an earlier run stored them
-        source.put(h(i), encode_block(io.meta(h(i), TOKENS), payload))
+        source.put(h(i), conn.stack.encode(h(i), io.meta(h(i), TOKENS), payload, 0))  # with the host MAC
     yield SimpleNamespace(conn=conn, pool=pool, source=source, other=other, io=io)
     conn.close()
 

@@ -1,5 +1,6 @@
-"""The on-tier value format (kvmosaic/tiers/format.py): a value decodes only if it is intact and is
-the block the caller expects; every failure is a CorruptEntry with a metrics reason."""
+"""The on-tier value format (kvmosaic/tiers/format.py): a value decodes only if it is intact (and,
+with a MAC key, authentic) and is the block the caller expects; every failure is a CorruptEntry
+with a metrics reason; token ids are stored only as a digest."""
 
 from __future__ import annotations
 
@@ -14,13 +15,17 @@ from hypothesis import strategies as st
 
 from kvmosaic.tiers.format import (
     CHECKSUM_SIZE,
+    FORMAT_VERSION,
     HEADER_SIZE,
+    MAC_SIZE,
     MAGIC,
     BlockMeta,
     CorruptEntry,
+    TierKeys,
     decode_block,
     encode_block,
     read_meta,
+    tokens_digest,
 )
 
 SHAPE = (2, 2, 4, 1, 8)  # layers, K/V, block tokens, KV heads, head dim
@@ -47,7 +52,9 @@ def test_round_trip():
     assert value.startswith(MAGIC)
     assert decode_block(value, m) == PAYLOAD
     assert decode_block(bytearray(value), m) == PAYLOAD
-    assert read_meta(value) == m
+    # the ids are not in the value: the meta read back has their digest instead
+    assert read_meta(value) == dataclasses.replace(m, token_ids=(), tokens_digest=tokens_digest(m.token_ids))
+    assert read_meta(value).tokens_digest != tokens_digest(m.token_ids, b"k" * 32)
 
 
 def test_payload_can_be_a_memoryview():
@@ -111,7 +118,7 @@ def test_a_valid_entry_with_unreadable_meta_is_a_header_error():
     # a checksum-valid value whose meta is not JSON (a foreign writer): rejected, not crashed
     import xxhash
 
-    body = struct.pack("<4sHHIQ", MAGIC, 1, 0, 3, 0) + b"{{{"
+    body = struct.pack("<4sHHIQ", MAGIC, FORMAT_VERSION, 0, 3, 0) + b"{{{"
     assert reason(body + xxhash.xxh3_128_digest(body), meta()) == "header"
 
 
@@ -123,6 +130,46 @@ def test_any_single_bit_flip_is_rejected(pos, bit):
     value[pos % len(value)] ^= 1 << bit
     with pytest.raises(CorruptEntry):
         decode_block(value, m)
+
+
+KEYS = TierKeys.from_secret("the replicas' secret")
+
+
+def test_mac_round_trip_and_a_writer_without_the_key_is_forged():
+    m = meta()
+    value = encode_block(m, PAYLOAD, KEYS.mac, KEYS.tokens)
+    assert decode_block(value, m, KEYS.mac, KEYS.tokens) == PAYLOAD
+    assert len(value) == len(encode_block(m, PAYLOAD, None, KEYS.tokens)) + MAC_SIZE
+    assert reason(encode_block(m, PAYLOAD, None, KEYS.tokens), m) == "tokens"  # no token key: another digest
+    expected = (KEYS.mac, KEYS.tokens)
+    for forged in (encode_block(m, PAYLOAD, None, KEYS.tokens),          # no MAC at all
+                   encode_block(m, PAYLOAD, b"w" * 32, KEYS.tokens),     # another key
+                   encode_block(m, bytes(256), b"w" * 32, KEYS.tokens)):  # other KV, checksum recomputed
+        with pytest.raises(CorruptEntry) as e:
+            decode_block(forged, m, *expected)
+        assert e.value.reason == "forged"
+    # the reader without a key (a shared tier, no secret) checks the checksum only
+    assert decode_block(value, m, None, KEYS.tokens) == PAYLOAD
+    assert "mac" not in repr(KEYS) or KEYS.mac.hex() not in repr(KEYS)
+
+
+def test_a_byte_flipped_in_the_mac_is_forged():
+    m = meta()
+    value = bytearray(encode_block(m, PAYLOAD, KEYS.mac, KEYS.tokens))
+    value[-1] ^= 1
+    with pytest.raises(CorruptEntry) as e:
+        decode_block(value, m, KEYS.mac, KEYS.tokens)
+    assert e.value.reason == "forged"
+
+
+def test_no_token_id_is_in_the_value():
+    tokens = (70001, 70002, 70003, 70004)
+    m = meta(tokens=tokens)
+    value = encode_block(m, PAYLOAD, KEYS.mac, KEYS.tokens)
+    for t in tokens:
+        for width in (4, 8):
+            assert t.to_bytes(width, "little") not in value
+        assert str(t).encode() not in value
 
 
 def test_import_is_light():

@@ -266,7 +266,7 @@ def test_lookup_is_the_longest_contiguous_prefix_fastest_tier_first(tmp_path):
     stack = TierStack([host, disk])
     for i in (0, 1, 2, 4):
         disk.put(key(i), value(i))
-    host.put(key(1), value(1))
+    host.put(key(1), stack.encode(key(1), meta(1), payload(1), 0))  # a host tier's value carries its MAC
     keys = [key(i) for i in range(6)]
     assert stack.lookup(keys) == [1, 0, 1, None, None, None]
     assert stack.longest_prefix(keys) == 3
@@ -308,7 +308,7 @@ def test_loader_loads_in_the_background():
     host = SlowHost(1 << 20, delay=0.01)
     stack = TierStack([host])
     for i in range(4):
-        host.put(key(i), value(i))
+        host.put(key(i), stack.encode(key(i), meta(i), payload(i), 0))
     with TierLoader(stack, timeout=5) as loader:
         futs = loader.submit_many([key(i) for i in range(5)], [meta(i) for i in range(5)])
         got = loader.gather(futs)
@@ -318,7 +318,7 @@ def test_loader_loads_in_the_background():
 def test_loader_late_load_is_a_miss_counted_once():
     host = SlowHost(1 << 20, delay=0.3)
     stack = TierStack([host])
-    host.put(key(1), value(1))
+    host.put(key(1), stack.encode(key(1), meta(1), payload(1), 0))
     with TierLoader(stack) as loader:
         t0 = time.monotonic()
         fut = loader.submit(key(1), meta(1), tier=0, timeout=0.05)

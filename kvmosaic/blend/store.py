@@ -6,7 +6,7 @@ KV pool's dtype, K rotated at positions ``origin .. origin+T-1`` (the index entr
 
 With storage tiers (``tiers``, given at construction; docs/ARCHITECTURE.md, "Storage tiers"), a
 stored segment is also written to every tier under its segment key, in the tiers' checked
-format (``layout`` ``segment:L,2,T,H,D``, the segment's tokens, ``position`` = origin), and a
+format (``layout`` ``segment:L,2,T,H,D``, a digest of the segment's tokens, ``position`` = origin), and a
 segment missing from memory is looked up there: a restart or another process sharing a Redis
 tier finds it. Tier I/O for segments runs on the engine thread
 (a segment is stored once, when first computed); a load that fails a check is a miss.
@@ -22,7 +22,7 @@ from ..cache.hashing import CacheNamespace
 from ..cache.segments import SegmentEntry, SegmentIndex, segment_key
 from ..kv.block_io import dtype_name
 from ..kv.paged import PagedKVCache
-from ..tiers import BlockMeta, TierStack, encode_block
+from ..tiers import BlockMeta, TierStack
 
 SEGMENT_LAYOUT = "segment:L,2,T,H,D"
 
@@ -88,8 +88,8 @@ class SegmentKVStore:
         key = self.key(tokens, cache_salt, adapter_id)
         if to_tiers and self.tiers is not None:
             meta = self._meta(key, tokens, tuple(kv.shape), kv.dtype, origin)
-            value = encode_block(meta, kv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes())
-            self.tiers.put_encoded(key, value, range(len(self.tiers)))
+            payload = kv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+            self.tiers.put_block(key, meta, payload, range(len(self.tiers)))  # MAC'd per tier (format.py)
         evicted = self.index.insert(key, tokens, origin, kv.numel() * kv.element_size())
         if evicted is None:
             return False

@@ -132,6 +132,11 @@ class EngineArgs:
                                         flag="--kv-tier", metavar="SPEC", append=True)
     kv_tier_load_timeout: float = option(2.0, "a tier load slower than this many seconds is a miss "
                                               "(those tokens are computed)", metavar="S")
+    kv_tier_secret: str | None = option(None, "a secret every replica sharing a disk or Redis tier is given: each "
+                                              "entry carries a MAC under it, checked on every load (without one, "
+                                              "shared tiers trust every writer)", metavar="SECRET", repr=False)
+    kv_tier_secret_file: str | None = option(None, "read --kv-tier-secret from this file at engine start",
+                                             metavar="PATH")
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:

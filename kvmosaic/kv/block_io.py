@@ -8,12 +8,18 @@ size, layout and shape, so a load into an engine with any other layout is a miss
 On CUDA the copy out goes through a pinned host buffer with a non-blocking copy followed by a
 stream sync (the bytes must be final before the block can be overwritten); the copy in uses a
 pinned staging tensor and a non-blocking host-to-device copy. On CPU both are one memcpy.
+
+:func:`nonfinite` is the tier stack's ``payload_check`` (kv/tiered.py): a verified payload with a
+NaN or an infinity (a writer holding the key, or a broken one) is rejected like a corrupt entry
+(counted as "nonfinite", deleted, a miss) before it can reach attention. It reads the bytes in
+place (numpy views, no copy): IEEE formats are non-finite exactly when every exponent bit is set.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from ..tiers.format import BlockMeta
@@ -71,6 +77,27 @@ class BlockIO:
             self.kv.buffer[:, :, block_id].copy_(t, non_blocking=True)
         else:
             self.kv.write_block(block_id, t)
+
+
+#: dtype -> (unsigned view, mask, value): an element is non-finite when ``x & mask == value``.
+_NONFINITE_BITS = {
+    "bfloat16": (np.uint16, 0x7F80, 0x7F80),
+    "float8_e5m2": (np.uint8, 0x7C, 0x7C),
+    "float8_e4m3fn": (np.uint8, 0x7F, 0x7F),  # no infinities; NaN is S.1111.111
+}
+_NUMPY_FLOATS = {"float16": np.float16, "float32": np.float32, "float64": np.float64}
+
+
+def nonfinite(meta: BlockMeta, payload: bytes | bytearray | memoryview) -> str | None:
+    """"nonfinite" if the payload (in ``meta.dtype``) holds a NaN or an infinity, else None."""
+    if meta.dtype in _NUMPY_FLOATS:
+        ok = bool(np.isfinite(np.frombuffer(payload, dtype=_NUMPY_FLOATS[meta.dtype])).all())
+    elif meta.dtype in _NONFINITE_BITS:
+        view, mask, value = _NONFINITE_BITS[meta.dtype]
+        ok = not bool(((np.frombuffer(payload, dtype=view) & mask) == value).any())
+    else:
+        ok = True  # integer payloads (and unknown dtypes) have no non-finite values
+    return None if ok else "nonfinite"
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:

@@ -13,8 +13,9 @@ handed to each user at construction, never attached afterwards. It is
 - the tier I/O under the scheduler's :class:`~.connector.KVConnector`: ``load_now`` (host
   tiers, on the engine thread), ``submit`` / ``collect`` (disk and Redis, on the
   :class:`TierLoader` thread, with a deadline) and ``write_block``. Every payload it hands out
-  passed ``TierStack.load``'s checks (checksum, header, token ids, key); a failed or late load
-  is a miss and the scheduler computes those tokens;
+  passed ``TierStack.load``'s checks (checksum, MAC, header, token digest, key, and finite
+  values: ``block_io.nonfinite``); a failed or late load is a miss and the scheduler computes
+  those tokens;
 - the segment store's tier stack (``stack``).
 """
 
@@ -28,8 +29,8 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ..cache.events import BlockRemoved, BlockStored, EventLog
-from ..tiers import Policy, TierLoader, TierStack, Trigger, build_tiers, encode_block
-from .block_io import BlockIO
+from ..tiers import Policy, TierLoader, TierStack, Trigger, build_tiers, load_secret
+from .block_io import BlockIO, nonfinite
 from .paged import PagedKVCache
 
 
@@ -73,8 +74,10 @@ class TierConnector:
 
     @classmethod
     def from_specs(cls, specs: Sequence[str], io: BlockIO, load_timeout: float = 2.0,
-                   events: EventLog | None = None) -> TierConnector:
-        return cls(TierStack(build_tiers(list(specs))), io, load_timeout, events)
+                   events: EventLog | None = None, secret: bytes | str | None = None) -> TierConnector:
+        """``secret``: the replicas' shared tier secret (every value MAC'd and verified)."""
+        return cls(TierStack(build_tiers(list(specs)), secret=secret, payload_check=nonfinite), io, load_timeout,
+                   events)
 
     # ---- the pool's observer ---------------------------------------------------------------
     def on_cache(self, block, block_hash: bytes, parent_hash: bytes | None, token_ids: Sequence[int]) -> None:
@@ -118,7 +121,7 @@ class TierConnector:
                 targets = [i for i in targets if not self.stack[i].contains(key)]
             if not targets:
                 return
-            stored = self.stack.put_encoded(key, encode_block(meta, payload), targets)
+            stored = self.stack.put_block(key, meta, payload, targets)
             with self._lock:
                 self.blocks_written += len(stored)
             if self.events is not None:
@@ -223,6 +226,8 @@ class TierConfig(Protocol):
 
     kv_tiers: Sequence[str] | None
     kv_tier_load_timeout: float
+    kv_tier_secret: str | None
+    kv_tier_secret_file: str | None
     prefix_cache: str
 
 
@@ -232,6 +237,7 @@ def make_tier_connector(config: TierConfig, kv: PagedKVCache, model_fingerprint:
     off (nothing is indexed, so nothing could be stored or found)."""
     if not config.kv_tiers or config.prefix_cache == "none":
         return None
+    secret = load_secret(getattr(config, "kv_tier_secret", None), getattr(config, "kv_tier_secret_file", None))
     return TierConnector.from_specs(config.kv_tiers, BlockIO(kv, model_fingerprint), config.kv_tier_load_timeout,
-                                    events)
+                                    events, secret)
 

@@ -3,7 +3,8 @@
 Torch-free (stdlib + xxhash; redis-py only when a Redis tier is built), so a router, a tier
 server or a benchmark can use it alone (tests/test_tiers_format.py::test_import_is_light).
 
-- format.py  the self-checking value format (BlockMeta, encode_block, decode_block, CorruptEntry)
+- format.py  the self-checking, authenticated value format (BlockMeta, encode_block, decode_block,
+             CorruptEntry, TierKeys / load_secret: the replicas' shared secret)
 - base.py    the Tier interface, write policies and triggers
 - host.py, disk.py, redis_tier.py   the stores
 - stack.py   TierStack: lookup / load (the only place values are verified) / store
@@ -20,9 +21,12 @@ from .format import (
     FORMAT_VERSION,
     BlockMeta,
     CorruptEntry,
+    TierKeys,
     decode_block,
     encode_block,
+    load_secret,
     read_meta,
+    tokens_digest,
 )
 from .host import HostTier
 from .loader import TierLoader
@@ -32,9 +36,9 @@ from .stats import TierStats
 
 __all__ = [
     "DEFAULT_POLICY", "FORMAT_VERSION", "BlockMeta", "CorruptEntry", "DiskTier", "HostTier",
-    "Loaded", "Policy", "RedisTier", "Tier", "TierLoader", "TierSpec", "TierStack", "TierStats",
-    "Trigger", "build_tiers", "decode_block", "encode_block", "parse_size", "parse_tier_spec",
-    "read_meta", "should_store",
+    "Loaded", "Policy", "RedisTier", "Tier", "TierKeys", "TierLoader", "TierSpec", "TierStack", "TierStats",
+    "Trigger", "build_tiers", "decode_block", "encode_block", "load_secret", "parse_size", "parse_tier_spec",
+    "read_meta", "should_store", "tokens_digest",
 ]
 
 

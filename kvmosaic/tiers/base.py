@@ -8,7 +8,10 @@ Invariants each tier keeps (held by tests/test_tiers_stores.py and tests/test_ti
 - bounded: ``used_bytes <= capacity_bytes`` after every call (Redis bounds itself: maxmemory);
 - a value is visible whole or not at all (no partial reads after a crash or an error);
 - a failing medium costs misses, never exceptions: I/O and connection errors are counted in
-  ``stats.errors`` and ``get`` returns None, ``put`` returns False.
+  ``stats.errors`` and ``get`` returns None, ``put`` returns False;
+- a failing medium says so: ``state`` leaves "up" ("failing" for a disk tier that lost or cannot
+  write its directory, "down" for an unreachable Redis) with ``last_error``, and the change is
+  logged once at WARNING, as is the recovery (/health and /metrics show ``state``).
 
 See docs/ARCHITECTURE.md (storage tiers).
 """
@@ -16,10 +19,13 @@ See docs/ARCHITECTURE.md (storage tiers).
 from __future__ import annotations
 
 import enum
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 
 from .stats import TierStats
+
+logger = logging.getLogger("kvmosaic.tiers")
 
 
 class Policy(str, enum.Enum):
@@ -61,6 +67,7 @@ class Tier(ABC):
     """A bounded key/value store for encoded KV blocks, with its own eviction order."""
 
     medium: str = ""
+    last_error: str | None = None  # the error that took ``state`` out of "up"
 
     def __init__(
         self,
@@ -122,8 +129,16 @@ class Tier(ABC):
 
     @property
     def state(self) -> str:
-        """"up" or "down" (only a remote tier goes down)."""
+        """"up", or what is wrong: "down" (Redis unreachable), "failing" (disk I/O failing)."""
         return "up"
+
+    def _log_state(self, old: str, new: str) -> None:
+        """Say once that the tier's state changed (callers call this on a change only)."""
+        if new == "up":
+            logger.warning("storage tier %r (%s) is up again (was %s)", self.name, self.medium, old)
+        else:
+            logger.warning("storage tier %r (%s) is %s: %s; its loads are misses and its stores fail until it "
+                           "recovers", self.name, self.medium, new, self.last_error)
 
     def close(self) -> None:
         """Release files, sockets and threads (the stored entries stay where they persist)."""

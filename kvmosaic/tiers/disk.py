@@ -14,6 +14,13 @@ Invariants (tests/test_tiers_stores.py):
 - a file that disappears or cannot be read is a miss (counted in ``stats.errors`` if it is an
   I/O error); a file whose content fails the format checks is deleted by the TierStack.
 
+- a lost directory (deleted while running) or failing writes (a full disk, a read-only mount):
+  ``state`` becomes "failing" with ``last_error`` (logged once at WARNING), the index forgets the
+  entries that went with the directory (``used_bytes`` drops), the directory is recreated when
+  possible and the next successful store makes the tier "up" again (logged once). ``state`` checks
+  the directory itself, so /health notices a lost one without traffic.
+  (tests/test_tiers_auth.py::test_disk_directory_lost_*).
+
 One process owns a directory at a time (processes share blocks through the Redis tier). After a
 power loss a just-renamed entry may be missing (the directory itself is not fsynced), never partial.
 See docs/ARCHITECTURE.md (storage tiers).
@@ -24,10 +31,11 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 
-from .base import Policy
+from .base import Policy, logger
 from .lru import LruTier
 
 SUFFIX = ".kv"
@@ -50,7 +58,50 @@ class DiskTier(LruTier):
         self.root = Path(path)
         self.fsync = fsync
         self.root.mkdir(parents=True, exist_ok=True)
+        self._state = "up"
+        self._state_lock = threading.Lock()
         self.removed_temp_files = self._scan()
+
+    # -- health ------------------------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        if not os.path.isdir(self.root):  # one stat: /health notices a lost directory unprompted
+            self._check_root()
+        return self._state
+
+    def _failed(self, exc: BaseException) -> None:
+        with self._state_lock:
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            old, self._state = self._state, "failing"
+        if old == "up":
+            self._log_state(old, "failing")
+
+    def _ok(self) -> None:
+        if self._state == "up":
+            return
+        with self._state_lock:
+            old, self._state = self._state, "up"
+        if old != "up":
+            self._log_state(old, "up")
+
+    def _check_root(self) -> bool:
+        """Whether the directory is there; if it was lost, forget its entries (the files went
+        with it), say so, and recreate it if possible."""
+        if os.path.isdir(self.root):
+            return True
+        self._failed(FileNotFoundError(f"directory {self.root} is gone"))
+        with self._lru.lock:
+            lost = self._lru.keys()
+            self._lru.clear()
+        self._removed(lost)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            self._failed(e)
+            return False
+        logger.warning("storage tier %r (disk): recreated its directory %s (%d entries were lost with it)",
+                       self.name, self.root, len(lost))
+        return True
 
     # -- paths -------------------------------------------------------------------------------
     def path_for(self, key: bytes) -> Path:
@@ -91,6 +142,26 @@ class DiskTier(LruTier):
         if size > self.capacity_bytes:
             self.stats.add(store_rejected=1)
             return False
+        error = self._try_write(key, value)
+        # The directory deleted behind our back: recreate it and try once more.
+        if error is not None and not os.path.isdir(self.root) and self._check_root():
+            error = self._try_write(key, value)
+        if error is not None:
+            self.stats.add(errors=1, store_rejected=1)
+            self._failed(error)
+            return False
+        self.stats.add(stores=1, bytes_stored=size)
+        self._ok()
+        return True
+
+    def _try_write(self, key: bytes, value: bytes) -> OSError | None:
+        try:
+            self._write(key, value)
+        except OSError as e:
+            return e
+        return None
+
+    def _write(self, key: bytes, value: bytes) -> None:
         final = self.path_for(key)
         tmp = final.parent / f".{final.stem}.{os.getpid()}.{secrets.token_hex(4)}{TMP_SUFFIX}"
         try:
@@ -102,13 +173,10 @@ class DiskTier(LruTier):
                     os.fsync(f.fileno())
             with self._lru.lock:
                 os.replace(tmp, final)
-                self._dropped(self._lru.insert(key, size))
+                self._dropped(self._lru.insert(key, len(value)))
         except OSError:
             _unlink(tmp)
-            self.stats.add(errors=1, store_rejected=1)
-            return False
-        self.stats.add(stores=1, bytes_stored=size)
-        return True
+            raise
 
     def get(self, key: bytes) -> bytes | None:
         t0 = time.perf_counter()
@@ -122,10 +190,12 @@ class DiskTier(LruTier):
             with contextlib.suppress(OSError):
                 os.utime(path)  # keeps the LRU order across restarts; a read-only dir still reads
         except FileNotFoundError:
-            self._lru.pop(key)
+            if self._check_root():  # the file alone went away (else: the directory did)
+                self._lru.pop(key)
             return None
-        except OSError:
+        except OSError as e:
             self.stats.add(errors=1)
+            self._failed(e)
             return None
         self.stats.add(load_hits=1, bytes_loaded=len(value))
         self.stats.record_load_latency(time.perf_counter() - t0)

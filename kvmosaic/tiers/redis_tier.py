@@ -13,7 +13,8 @@ Outages cost misses, never exceptions (tests/test_tiers_redis.py): every call ha
 and no client-side retries; any error marks the tier ``down``, counts ``stats.errors``, drops the
 pooled connections, and for the next ``backoff`` seconds calls return a miss at once without
 touching the network; the first call after that is the probe (success: ``up``, backoff reset;
-failure: backoff doubles up to ``max_backoff``). ``state`` is for /health and /metrics.
+failure: backoff doubles up to ``max_backoff``). ``state`` (with ``last_error``) is for /health
+and /metrics; going down and coming back are each logged once at WARNING.
 See docs/ARCHITECTURE.md (storage tiers).
 """
 
@@ -84,8 +85,10 @@ class RedisTier(Tier):
     def _ok(self) -> None:
         if self._state != "up":
             with self._lock:
-                self._state = "up"
+                old, self._state = self._state, "up"
                 self._backoff = self.base_backoff
+            if old != "up":
+                self._log_state(old, "up")
 
     def _failed(self, exc: BaseException) -> None:
         now = time.monotonic()
@@ -95,11 +98,14 @@ class RedisTier(Tier):
             # were already in flight on other threads when the server went away fail too, and
             # must not push the next probe out by a power of two each.
             in_flight = self._state == "down" and now < self._retry_at
+            went_down = self._state == "up"
             if not in_flight:
                 if self._state == "down":
                     self._backoff = min(self._backoff * 2, self.max_backoff)
                 self._state = "down"
                 self._retry_at = now + self._backoff
+        if went_down:
+            self._log_state("up", "down")
         self.stats.add(errors=1)
         with contextlib.suppress(Exception):  # dropping dead sockets must not raise
             self._client.connection_pool.disconnect()

@@ -8,8 +8,16 @@
   if every format check passes; a value that fails one is counted in that tier's
   ``stats.corrupt`` (by reason), deleted from that tier, and the next tier is tried — wrong KV is
   never returned (tests/test_tiers_stores.py, tests/test_tiers_redis.py).
-- ``store(key, meta, payload, trigger, hits)`` encodes once and writes to each tier whose policy
-  wants the block on that trigger (see base.Policy).
+- ``store(key, meta, payload, trigger, hits)`` encodes and writes to each tier whose policy
+  wants the block on that trigger (see base.Policy); ``put_block`` to given tiers.
+
+Who may write (format.py): with a ``secret`` (``--kv-tier-secret``, the same on every replica)
+every value carries an HMAC-SHA256 under a key derived from it and every load verifies it; a
+value without a valid MAC ("forged"), or whose payload the ``payload_check`` hook rejects
+(the engine's: non-finite values, "nonfinite"), is treated as corrupt: counted, deleted, a miss.
+Without a secret, host tiers use a per-process random key (only this process writes them) and
+disk and Redis tiers are checksum-only: they trust every writer, and building such a stack logs
+a warning saying so.
 
 Byte accounting of every tier stays exact under any sequence of these calls
 (tests/test_tiers_stores.py::TierStackMachine). See docs/ARCHITECTURE.md (storage tiers).
@@ -18,12 +26,24 @@ Byte accounting of every tier stays exact under any sequence of these calls
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import logging
+import secrets
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .base import Tier, Trigger
-from .format import BlockMeta, CorruptEntry, decode_block_meta, encode_block
+from .format import BlockMeta, CorruptEntry, TierKeys, decode_block_meta, encode_block
+
+logger = logging.getLogger("kvmosaic.tiers")
+
+#: Shared tiers: another process may write them, so only a shared secret authenticates them.
+SHARED_MEDIA = ("disk", "redis")
+#: The MAC key of host tiers without a secret: nobody outside this process writes them.
+_PROCESS_KEY = secrets.token_bytes(32)
+
+#: ``payload_check(stored_meta, payload)``: a reason (e.g. "nonfinite") to reject, or None.
+PayloadCheck = Callable[[BlockMeta, bytes], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -37,13 +57,28 @@ class Loaded:
 
 
 class TierStack:
-    def __init__(self, tiers: Sequence[Tier] = ()) -> None:
+    def __init__(self, tiers: Sequence[Tier] = (), secret: bytes | str | None = None,
+                 payload_check: PayloadCheck | None = None) -> None:
         self.tiers: list[Tier] = list(tiers)
         seen: set[str] = set()
         for i, t in enumerate(self.tiers):  # names key the stats: keep them unique
             if t.name in seen:
                 t.name = f"{t.name}{i}"
             seen.add(t.name)
+        keys = TierKeys.from_secret(secret) if secret is not None else None
+        self.authenticated = keys is not None
+        self.token_key: bytes | None = keys.tokens if keys is not None else None
+        # Per tier: the MAC key its values carry and its loads require (None: checksum only).
+        self.mac_keys: list[bytes | None] = [
+            keys.mac if keys is not None else (None if t.medium in SHARED_MEDIA else _PROCESS_KEY)
+            for t in self.tiers
+        ]
+        self.payload_check = payload_check
+        shared = [t.name for t, k in zip(self.tiers, self.mac_keys) if k is None]
+        if shared:
+            logger.warning("storage tier(s) %s: entries are unauthenticated (checksum only; any process that "
+                           "can write the directory or the Redis server can change the KV this engine "
+                           "loads); set --kv-tier-secret or --kv-tier-secret-file on every replica", shared)
 
     def __len__(self) -> int:
         return len(self.tiers)
@@ -87,7 +122,11 @@ class TierStack:
             if value is None:
                 continue
             try:
-                meta, payload = decode_block_meta(value, expected)
+                meta, payload = decode_block_meta(value, expected, self.mac_keys[i], self.token_key)
+                if self.payload_check is not None:
+                    why = self.payload_check(meta, payload)
+                    if why:
+                        raise CorruptEntry(why)
                 return Loaded(payload, i, t.medium, meta.position)
             except CorruptEntry as e:
                 t.stats.record_corrupt(e.reason)
@@ -113,13 +152,29 @@ class TierStack:
             targets = [i for i in targets if not self.tiers[i].contains(key)]
         if not targets:
             return []
+        return self.put_block(key, meta, payload, targets)
+
+    def encode(self, key: bytes, meta: BlockMeta, payload: bytes | bytearray | memoryview, tier: int) -> bytes:
+        """The value tier ``tier`` stores for this block (its MAC key, the stack's token key)."""
         if meta.block_hash != key:
             meta = dataclasses.replace(meta, block_hash=key)
-        value = encode_block(meta, payload)
-        return [i for i in targets if self.tiers[i].put(key, value)]
+        return encode_block(meta, payload, self.mac_keys[tier], self.token_key)
+
+    def put_block(self, key: bytes, meta: BlockMeta, payload: bytes | bytearray | memoryview,
+                  tiers: Sequence[int]) -> list[int]:
+        """Encode the block (once per distinct MAC key) and write it to ``tiers``; the indices stored."""
+        values: dict[bytes | None, bytes] = {}
+        stored = []
+        for i in tiers:
+            k = self.mac_keys[i]
+            if k not in values:
+                values[k] = self.encode(key, meta, payload, i)
+            if self.tiers[i].put(key, values[k]):
+                stored.append(i)
+        return stored
 
     def put_encoded(self, key: bytes, value: bytes, tiers: Sequence[int]) -> list[int]:
-        """Write an already encoded value (e.g. promoting a loaded block to a faster tier)."""
+        """Write an already encoded value as is (it must carry the MAC each tier checks)."""
         return [i for i in tiers if self.tiers[i].put(key, value)]
 
     # -- housekeeping ------------------------------------------------------------------------
@@ -132,12 +187,15 @@ class TierStack:
             t.clear()
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per tier (by name): its counters, medium, policy, state, used and capacity bytes."""
+        """Per tier (by name): its counters, medium, policy, state (and the error while not "up"),
+        used and capacity bytes, and whether its entries are authenticated (a MAC on every value)."""
         out = {}
-        for t in self.tiers:
+        for t, k in zip(self.tiers, self.mac_keys):
             s = t.stats.snapshot()
-            s.update(medium=t.medium, policy=t.policy.value, state=t.state,
-                     used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes)
+            state = t.state
+            s.update(medium=t.medium, policy=t.policy.value, state=state,
+                     error=None if state == "up" else t.last_error,
+                     used_bytes=t.used_bytes, capacity_bytes=t.capacity_bytes, authenticated=k is not None)
             out[t.name] = s
         return out
 
