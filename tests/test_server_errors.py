@@ -4,14 +4,17 @@ request queued, nothing counted) — on one process and through ``--replicas 2``
 
 from __future__ import annotations
 
+import json
 import re
+import threading
+import time
 
 import httpx
 import pytest
 
 from kvmosaic.server.launch import ServerProcess
 
-MAX_BODY = 16 * 1024
+MAX_BODY = 1 << 20  # the default: the nasty bodies below must fit under it
 CONTEXT = 128
 
 
@@ -117,3 +120,65 @@ def test_rejections_left_the_engine_untouched_and_it_still_serves(server):
     r = httpx.post(server.url + C, json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
     assert all(h["kv"]["num_used_blocks"] == 0 for h in server.pool_healths())
+
+
+# Issue 25: bodies under the size limit that once froze the event loop for everyone (the error
+# message was built quadratically, on the loop, listing every item): 18.6 s for 40,000 ids,
+# 294 s for 150,000. Each must now be a short 400 in well under a second, naming the first
+# problems and the count, while /health/live keeps answering.
+NASTY = [
+    ("stop-token-ids-150k", json.dumps({"prompt": "x", "stop_token_ids": [-1] * 150_000}),
+     ["stop_token_ids", "at most 1024", "150000"]),
+    ("unknown-keys-90k", json.dumps({"prompt": "x", **{f"k{i}": 1 for i in range(90_000)}}, separators=(",", ":")),
+     ["90,001 fields", "unknown fields: 'k0', 'k1'", "89,995 more"]),
+    ("stop-strings-30k", json.dumps({"prompt": "x", "stop": ["s"] * 30_000}), ["stop", "at most 16", "30,000"]),
+    ("unknown-keys-in-4000-messages", json.dumps({"messages": [{"role": "user", "content": "x", "a": 1, "b": 2}] * 4000}),
+     ["unknown field 'messages.0.a'", "messages.0.b"]),
+    ("stop-token-ids-1000-negative", json.dumps({"prompt": "x", "stop_token_ids": [-1] * 1000}),
+     ["stop_token_ids.0: Input should be greater than or equal to 0", "... and 995 more"]),
+]
+
+
+@pytest.mark.parametrize("body,words", [c[1:] for c in NASTY], ids=[c[0] for c in NASTY])
+def test_a_nasty_body_is_refused_fast_and_briefly(server, body, words):
+    assert len(body) < MAX_BODY
+    path = CHAT if body.startswith('{"messages"') else C
+    t = time.perf_counter()
+    r = httpx.post(server.url + path, content=body.encode(), headers={"Content-Type": "application/json"}, timeout=60)
+    elapsed = time.perf_counter() - t
+    assert r.status_code == 400, r.text[:500]
+    assert len(r.content) < 4096, len(r.content)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    for w in words:
+        assert w in err["message"], err["message"]
+    assert elapsed < 1.0, f"{elapsed:.2f} s to refuse {len(body):,} bytes"
+    assert server.alive()
+
+
+def test_liveness_answers_while_nasty_bodies_are_processed(server):
+    stop, pings = threading.Event(), []
+
+    def ping():
+        with httpx.Client(timeout=30) as c:
+            while not stop.is_set():
+                t = time.perf_counter()
+                assert c.get(server.url + "/health/live").status_code == 200
+                pings.append(time.perf_counter() - t)
+                time.sleep(0.01)
+
+    pinger = threading.Thread(target=ping)
+    pinger.start()
+    try:
+        time.sleep(0.2)
+        for _, body, _ in NASTY * 2:
+            path = CHAT if body.startswith('{"messages"') else C
+            r = httpx.post(server.url + path, content=body.encode(), headers={"Content-Type": "application/json"},
+                           timeout=60)
+            assert r.status_code == 400
+    finally:
+        stop.set()
+        pinger.join()
+    assert len(pings) > 5 and max(pings) < 1.0, f"longest /health/live: {max(pings):.3f} s over {len(pings)} pings"
+    for health in server.pool_healths():
+        assert health["kv"]["num_used_blocks"] == 0 and health["requests"] == {"running": 0, "waiting": 0}

@@ -166,13 +166,16 @@ class LLMEngine:
         request_id: str | None = None,
         adapter_id: str | None = None,
         priority: int = 0,
+        tenant: str | None = None,
     ) -> Sequence:
-        """Queue a prompt the :attr:`inputs` processor already tokenised and validated."""
+        """Queue a prompt the :attr:`inputs` processor already tokenised and validated;
+        ``tenant`` names who sent it, for fair share (engine/fair_share.py)."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params or SamplingParams(),
-                       processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks)
+                       processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks,
+                       tenant=tenant)
         seq.segments = processed.segments if self.segment_reuse.enabled else None
         self.requests[request_id] = seq
         self.scheduler.add(seq)

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from ..cache.manager import KVCacheManager, MatchResult
 from ..kv.connector import KVConnector
+from .fair_share import FairShare
 from .sequence import Sequence, SequenceStatus
 
 
@@ -82,6 +83,7 @@ class Scheduler:
         self._lpm_previous: dict[str, float] = {}  # waiting request -> arrival, at the last ordering
         # Storage tiers (None: off), and the requests in WAITING_FOR_KV: request id -> sequence.
         self.connector = connector
+        self.fair = FairShare()  # tenants share the step budget and the slots (engine/fair_share.py)
         self.loading: dict[str, Sequence] = {}
 
     @property
@@ -127,7 +129,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        queue = list(self.running)
+        queue = self.fair.order_running(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed, budget)
@@ -142,16 +144,20 @@ class Scheduler:
                     break
             else:
                 out.scheduled.append(ScheduledSeq(seq, n))
+                self.fair.charge(seq, n)
                 budget -= n
         if self.loading:
             self._poll_loads(idle=not out.scheduled and not self.waiting, failed=out.failed)
         if out.preempted or out.out_of_memory:
+            self.fair.end_step()
             return out
         self._order_waiting()
         inflight = self._inflight_blocks() if self.kv.enable_caching else None
-        for seq in list(self.waiting):
+        for seq in self.fair.order_waiting(list(self.waiting)):
             if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
                 break
+            if self.fair.over_share(seq, self.running, self.waiting, self.config.max_num_seqs):
+                continue  # its tenant holds its share of the slots while another tenant waits
             match = self.kv.match_prefix(seq)
             if inflight and self._next_block_in_flight(seq, match, inflight):
                 continue  # another sequence is computing it: hit it at a later step
@@ -187,9 +193,11 @@ class Scheduler:
                 seq.num_tier_tokens += external
             self._admit(seq, match, cached)
             out.scheduled.append(ScheduledSeq(seq, n))
+            self.fair.charge(seq, n)
             budget -= n
             if inflight is not None:
                 inflight.update(self._uncommitted_blocks(seq))
+        self.fair.end_step()
         return out
 
     def _leave_queue(self, seq: Sequence) -> None:

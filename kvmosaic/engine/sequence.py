@@ -33,6 +33,8 @@ class Sequence:
     # Shared-public tenancy: leading blocks hashed without the salt, shared by every tenant
     # (cache/hashing.py CacheNamespace); set from ProcessedPrompt.public_blocks.
     public_blocks: int = 0
+    # Who sent it, for fair share between tenants (engine/fair_share.py); None: no tenancy.
+    tenant: str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)

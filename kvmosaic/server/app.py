@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import BaseModel
 
 from . import errors
 from .async_engine import AsyncEngine
@@ -21,8 +22,10 @@ from .drain import RETRY_AFTER_S, Drain, DrainMiddleware
 from .errors import APIError
 from .limits import BodyReadTimeout, BodySizeLimit, HeaderLimits
 from .metrics import ServerMetrics
+from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
 from .tenancy import TenantPolicy, build_public_prefixes, read_public_prefix_file
+from .tenant_limits import TenantLimits
 
 if TYPE_CHECKING:
     from .args import ServerArgs
@@ -40,8 +43,34 @@ def build_server(engine: AsyncEngine, args: ServerArgs, model_name: str | None =
     if tenants.mode == "shared-public":
         texts, hashes = read_public_prefix_file(args.public_prefix_file) if args.public_prefix_file else ([], [])
         tenants.public = build_public_prefixes(engine.engine, texts, hashes)
+    limits = TenantLimits(args.tenant_max_requests, args.tenant_max_queued_tokens, metrics.tenant_over_limit)
     return build_app(engine, model_name, metrics, tenants, args.max_body_bytes,
-                     drain=drain or Drain(args.shutdown_timeout), body_timeout=args.body_timeout)
+                     drain=drain or Drain(args.shutdown_timeout), body_timeout=args.body_timeout, limits=limits)
+
+
+def request_body(model: type[BaseModel]) -> dict:
+    """``openapi_extra`` for a route that reads its body itself (off the event loop, see
+    :mod:`serving`): the body's schema is the pydantic model's, under ``components``."""
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}}
+
+
+def add_request_schemas(app: FastAPI, *models: type[BaseModel]) -> None:
+    """Put ``models``' JSON schemas (and the models they use) into ``/openapi.json``'s
+    ``components``, so the routes' ``request_body`` references resolve (clients, fuzzers)."""
+    default = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            schema = default()
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for model in models:
+                js = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(js.pop("$defs", {}))
+                components[model.__name__] = js
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def build_app(
@@ -52,12 +81,13 @@ def build_app(
     max_body_bytes: int = 1 << 20,
     drain: Drain | None = None,
     body_timeout: float = 30.0,
+    limits: TenantLimits | None = None,
 ) -> FastAPI:
     tenants = tenants or TenantPolicy()
     drain = drain or Drain()
     drain.on_reject = lambda reason: metrics.count("rejected", reason)
     engine.on_count = metrics.count
-    serving = OpenAIServing(engine, model_name, tenants)
+    serving = OpenAIServing(engine, model_name, tenants, limits)
     created = int(time.time())
 
     @asynccontextmanager
@@ -114,11 +144,11 @@ def build_app(
             "id": model_name, "object": "model", "created": created, "owned_by": "kvmosaic",
             "max_model_len": engine.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         return await serving.completions(request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request):
         return await serving.chat(request)
 
@@ -140,4 +170,5 @@ def build_app(
         await engine.refresh_stats()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_request_schemas(app, CompletionRequest, ChatCompletionRequest)
     return app

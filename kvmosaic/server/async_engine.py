@@ -171,16 +171,18 @@ class AsyncEngine:
         prompt: PromptInput,
         make_params: Callable[[int], SamplingParams],
         cache_salt: str | None = None,
+        tenant: str | None = None,
     ) -> RequestStream:
         """Tokenise and validate (off the engine thread), build the sampling parameters for
         the prompt's length (``make_params`` may raise ValueError, e.g. when the context is
-        too short) and queue the request. Errors reach the caller and change nothing."""
+        too short) and queue the request as ``tenant``'s (fair share). Errors reach the caller
+        and change nothing."""
         stream = RequestStream(f"req-{uuid.uuid4().hex}", asyncio.get_running_loop())
         processed = await asyncio.to_thread(self.engine.inputs.process, prompt, cache_salt)
         params = make_params(len(processed.prompt_token_ids))
 
         def add(engine: LLMEngine) -> None:
-            engine.add_processed(processed, params, request_id=stream.request_id)
+            engine.add_processed(processed, params, request_id=stream.request_id, tenant=tenant)
             self._streams[stream.request_id] = stream
 
         try:

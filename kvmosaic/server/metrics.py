@@ -150,6 +150,14 @@ class ServerMetrics:
         self.requests_rejected = Counter(
             PREFIX + "requests_rejected", "Requests refused before the engine (draining, too_large, ...).",
             ["model_name", "reason"], registry=self.registry)
+        # labelled by tenant_label (a non-reversible label per configured API key: bounded)
+        self.tenant_rejected = Counter(
+            PREFIX + "tenant_requests_rejected", "Requests refused with 429: their tenant was over its limits.",
+            ["model_name", "tenant"], registry=self.registry)
+
+    def tenant_over_limit(self, tenant: str) -> None:
+        self.tenant_rejected.labels(self.model_name, tenant).inc()
+        self.count("rejected", "tenant_limit")
 
     def count(self, kind: str, reason: str) -> None:
         """``kind``: "failure", "abort" or "rejected"; thread-safe."""

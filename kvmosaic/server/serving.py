@@ -1,19 +1,22 @@
 """``/v1/completions`` and ``/v1/chat/completions``: validate, queue, answer or stream.
 
 Order of checks, each failing before the engine is touched: the API key (401), the body
-(UTF-8, JSON, schema: 400), the model name (404), the prompt against the context and the
-sampling parameters (400, on the engine thread, where ``add_request`` validates before it
-queues). A request that passed them runs until it finishes or its client goes away; either
+(UTF-8, JSON, schema: 400; on a worker thread, with a chat's template, under a time budget:
+413 beyond it, so no body stalls the event loop), the model name (404), the prompt against
+the context and the sampling parameters (400, on the engine thread, where ``add_request``
+validates before it queues). A request that passed them runs until it finishes or its client goes away; either
 way it leaves no block in use.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from typing import TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,12 +31,17 @@ from .async_engine import AsyncEngine, RequestFailed, RequestStream
 from .errors import APIError, error_body, from_validation_error
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .tenancy import TenantPolicy
+from .tenant_limits import TenantLimits
 
 log = logging.getLogger("kvmosaic.server")
 
 # A prompt longer than this many characters per token of context is refused before it is
 # tokenised (no tokenizer makes tokens that long on average): rejected work must not cost.
 MAX_CHARS_PER_TOKEN = 16
+# Parsing, validating and (chat) templating one body, on a worker thread, may take this long;
+# beyond it the request gets a 413 (issue 25). The schema's caps keep real bodies far below.
+PARSE_BUDGET_S = 5.0
+T = TypeVar("T")
 
 
 def client_left(request: Request, where: str) -> APIError:
@@ -44,11 +52,8 @@ def client_left(request: Request, where: str) -> APIError:
     return APIError(499, "the client closed the connection")
 
 
-async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
-    try:
-        body = await request.body()
-    except ClientDisconnect:
-        raise client_left(request, "while sending its body") from None
+def decode_and_validate(body: bytes, model: type[BaseModel]) -> BaseModel:
+    """The body's bytes to the request model, or the 400 that says why not (a worker thread runs it)."""
     try:
         text = body.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -59,6 +64,30 @@ async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
         return model.model_validate_json(text)
     except ValidationError as e:
         raise from_validation_error(e) from None
+
+
+async def off_loop(fn: Callable[..., T], *args: object, budget: float | None = None) -> T:
+    """``fn(*args)`` on a worker thread, so that no request's parsing, validation or template
+    stalls the event loop (every other stream and probe); over ``budget`` seconds (default
+    ``PARSE_BUDGET_S``) the request gets a 413 and the late result is dropped."""
+    budget = PARSE_BUDGET_S if budget is None else budget
+    try:
+        return await asyncio.wait_for(asyncio.to_thread(fn, *args), budget)
+    except asyncio.TimeoutError:
+        log.info("a request body took more than %.1f s to parse and validate; answering 413", budget)
+        raise APIError(413, f"the request took more than {budget:g} s to parse and validate; this server refuses "
+                            f"it (send fewer or shorter items)", code="request_too_complex") from None
+
+
+async def read_body(request: Request) -> bytes:
+    try:
+        return await request.body()
+    except ClientDisconnect:
+        raise client_left(request, "while sending its body") from None
+
+
+async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
+    return await off_loop(decode_and_validate, await read_body(request), model)
 
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int, max_model_len: int,
@@ -120,10 +149,12 @@ def sse(data: dict | str) -> str:
 
 
 class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, tenants: TenantPolicy) -> None:
+    def __init__(self, engine: AsyncEngine, model_name: str, tenants: TenantPolicy,
+                 limits: TenantLimits | None = None) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tenants = tenants
+        self.limits = limits or TenantLimits()
         self.max_model_len = engine.max_model_len
         self.tokenizer = engine.tokenizer
         info = engine.model_info
@@ -151,37 +182,58 @@ class OpenAIServing:
 
     async def chat(self, request: Request):
         token = self.tenants.authenticate(request.headers.get("authorization"))
-        req: ChatCompletionRequest = await parse_body(request, ChatCompletionRequest)
-        self.check_chars(sum(len(m.as_template_dict()["content"]) for m in req.messages), "messages")
-        try:
-            prompt = self.tokenizer.apply_chat_template([m.as_template_dict() for m in req.messages],
-                                                        tokenize=False, add_generation_prompt=True)
-        except Exception as e:  # the template's own checks (e.g. role order) raise here
-            raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None
+        req, prompt = await off_loop(self.parse_chat, await read_body(request))
         top = (req.top_logprobs or 0) if req.logprobs else None
         return await self._serve(request, req, token, prompt, req.max_new_tokens, top, "messages", chat=True)
+
+    def parse_chat(self, body: bytes) -> tuple[ChatCompletionRequest, str]:
+        """The request and its prompt text: validation and the template, on a worker thread
+        under one time budget (a template costs per message)."""
+        req = decode_and_validate(body, ChatCompletionRequest)
+        messages = [m.as_template_dict() for m in req.messages]
+        self.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as e:  # the template's own checks (e.g. role order) raise here
+            raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None
+        return req, prompt
 
     async def _serve(self, request: Request, req: SamplingFields, token: str | None, prompt: str | list[int] | dict,
                      max_tokens: int | None, logprobs: int | None, prompt_param: str, chat: bool):
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model", "model_not_found")
-        salt = self.tenants.cache_salt(token, req.cache_salt)
+        salt, tenant = self.tenants.cache_salt(token, req.cache_salt), self.tenants.tenant_label(token)
+        admitted: list[int] = []  # the prompt tokens counted against the tenant's limits
 
         def make_params(num_prompt: int) -> SamplingParams:
-            return sampling_params(req, max_tokens, num_prompt, self.max_model_len, logprobs, prompt_param,
-                                   self.pool_tokens)
+            params = sampling_params(req, max_tokens, num_prompt, self.max_model_len, logprobs, prompt_param,
+                                     self.pool_tokens)
+            self.limits.admit(tenant, num_prompt)  # 429 over the tenant's limits
+            admitted.append(num_prompt)
+            return params
+
+        def release() -> None:
+            if admitted:
+                self.limits.release(tenant, admitted.pop())
 
         try:
             prompt, salt = await self.tenants.resolve(self.engine.engine, req, prompt, salt)  # shared-public head
-            stream = await self.engine.add(prompt, make_params, salt)
+            stream = await self.engine.add(prompt, make_params, salt, tenant)
         except ValueError as e:
+            release()
             raise APIError(400, str(e), prompt_param) from None
+        except BaseException:
+            release()
+            raise
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             events = self._stream(stream, req, rid, created, logprobs, chat)
-            return AbortOnClose(events, lambda: self.engine.abort(stream.request_id))
-        out = await self._collect(request, stream)
+            return AbortOnClose(events, lambda: (self.engine.abort(stream.request_id), release()))
+        try:
+            out = await self._collect(request, stream)
+        finally:
+            release()
         if chat:
             lps = R.chat_logprobs(out, 0, self.decode, logprobs or 0) if logprobs is not None else None
             return JSONResponse(R.chat_body(rid, created, self.model_name, out, lps))

@@ -147,6 +147,7 @@ class TenantPolicy:
             self.salt_secret = os.urandom(32)  # per process: salts change on restart (cold cache)
         if set(self.api_keys) & set(self.admin_keys):
             raise ValueError("an admin key must not also be a tenant key")
+        self._label_key = os.urandom(32)
 
     @property
     def keys_configured(self) -> bool:
@@ -197,6 +198,14 @@ class TenantPolicy:
     # ---- namespaces ----------------------------------------------------------------------
     def tenant_salt(self, token: str | None) -> str:
         return hmac.new(self.salt_secret or b"", (token or "").encode(), hashlib.sha256).hexdigest()[:32]
+
+    def tenant_label(self, token: str | None) -> str | None:
+        """Who sent a request, for fair share and per-tenant limits and metrics: a stable,
+        non-reversible label of the API key (None without keys: one shared class)."""
+        if not self.api_keys or token is None:
+            return None
+        key = self.salt_secret or self._label_key
+        return "t-" + hmac.new(key, b"tenant-label\0" + token.encode(), hashlib.sha256).hexdigest()[:12]
 
     def cache_salt(self, token: str | None, body_salt: str | None) -> str | None:
         if self.mode == "shared":

@@ -1,0 +1,62 @@
+"""Fair share between tenants: one tenant's flood delays itself, not the others.
+
+The scheduler's token budget per step and its running slots are shared by weighted fair
+queuing over *service*: the tokens each tenant had computed, decayed per step (a tenant idle
+for a while starts again at the front). Each step:
+
+* running sequences: decodes first (one token each: cheap, and every stream advances), then
+  prefill chunks, the least-served tenant's first; a preemption, which takes the last of this
+  order, so falls on the most-served tenant;
+* waiting sequences: the least-served tenant's first (the queue's own order kept within a
+  tenant), and a tenant already holding its share of the running slots
+  (``ceil(max_num_seqs / active tenants)``) waits while another tenant has a request waiting.
+
+A request's tenant is ``Sequence.tenant`` (the server sets it from the API key; None: one
+shared class). With a single tenant nothing is reordered, so the FCFS/LPM behaviour and its
+tests stand unchanged. docs/ARCHITECTURE.md ("A request's life", step 4).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+from .sequence import Sequence
+
+
+class FairShare:
+    def __init__(self, decay: float = 0.98) -> None:
+        self.decay = decay
+        self.served: dict[str | None, float] = {}
+
+    def charge(self, seq: Sequence, tokens: int) -> None:
+        self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + tokens
+
+    def end_step(self) -> None:
+        self.served = {t: v * self.decay for t, v in self.served.items() if v * self.decay >= 1.0}
+
+    @staticmethod
+    def tenants(*groups: Iterable[Sequence]) -> set[str | None]:
+        return {s.tenant for g in groups for s in g}
+
+    def order_running(self, running: list[Sequence]) -> list[Sequence]:
+        if len(self.tenants(running)) < 2:
+            return list(running)
+        decodes = [s for s in running if s.num_uncomputed <= 1]
+        prefills = [s for s in running if s.num_uncomputed > 1]
+        return decodes + sorted(prefills, key=lambda s: self.served.get(s.tenant, 0.0))
+
+    def order_waiting(self, waiting: list[Sequence]) -> list[Sequence]:
+        if len(self.tenants(waiting)) < 2:
+            return list(waiting)
+        return sorted(waiting, key=lambda s: self.served.get(s.tenant, 0.0))  # stable: queue order kept
+
+    def over_share(self, seq: Sequence, running: list[Sequence], waiting: Iterable[Sequence],
+                   max_num_seqs: int) -> bool:
+        """``seq``'s tenant holds its share of the running slots while another tenant waits."""
+        others_waiting = any(s.tenant != seq.tenant for s in waiting)
+        if not others_waiting:
+            return False
+        active = self.tenants(running, waiting)
+        share = math.ceil(max_num_seqs / max(1, len(active)))
+        return sum(s.tenant == seq.tenant for s in running) >= share

@@ -1,0 +1,189 @@
+"""Fuzzing a real server with schemathesis (issue 25, item 2), from the server's own OpenAPI
+schema (``/openapi.json``: the request models' JSON schemas): thousands of generated bodies,
+valid by the schema (positive) and not (negative), while a streaming victim and
+``/health/live`` pings run beside them.
+
+Holds: every answer is 2xx or 4xx, never 5xx; every 4xx is in OpenAI's error shape; no
+traceback in the server's log; the server is up and its pool idle afterwards; the victim's
+longest gap between two chunks and the longest ping stay under ``BOUND_S``.
+
+Slow (minutes): ``pytest -m slow tests/test_fuzz_server.py``. Accepted (positive) bodies are
+capped at ``MAX_NEW_TOKENS`` completion tokens so that a thousand of them fit a CPU run; the
+caps and checks of the schema itself are fuzzed as generated.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+import httpx
+import pytest
+import requests
+
+schemathesis = pytest.importorskip("schemathesis")
+from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402
+
+from kvmosaic.server.launch import ServerProcess  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+EXAMPLES = 500  # per (operation, mode): 2 operations x 2 modes = 2,000 generated requests
+OTHER_EXAMPLES = 10  # per other operation (/v1/models, /health, ...)
+MAX_NEW_TOKENS = 8
+BOUND_S = 1.0
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+class Beside:
+    """A streaming victim (one long completion after another) and ``/health/live`` pings."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.stop = url, threading.Event()
+        self.gaps: list[float] = []  # between two chunks of one stream
+        self.first: list[float] = []  # request sent to first chunk
+        self.pings: list[float] = []
+        self.streams = 0
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._victim), threading.Thread(target=self._ping)]
+
+    def __enter__(self) -> Beside:
+        for t in self.threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+    def _victim(self) -> None:
+        body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 120, "ignore_eos": True,
+                "stream": True}
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set():
+                sent, last = time.perf_counter(), None
+                try:
+                    with c.stream("POST", self.url + "/v1/completions", json=body) as r:
+                        if r.status_code != 200:
+                            self.errors.append(f"victim got {r.status_code}")
+                            return
+                        for line in r.iter_lines():
+                            if not line.startswith("data: "):
+                                continue
+                            now = time.perf_counter()
+                            if last is None:
+                                self.first.append(now - sent)
+                            else:
+                                self.gaps.append(now - last)
+                            last = now
+                            if self.stop.is_set():
+                                break
+                    self.streams += 1
+                except httpx.HTTPError as e:
+                    self.errors.append(f"victim: {type(e).__name__}: {e}")
+                    return
+
+    def _ping(self) -> None:
+        with httpx.Client(timeout=60) as c:
+            while not self.stop.is_set():
+                t = time.perf_counter()
+                try:
+                    ok = c.get(self.url + "/health/live").status_code == 200
+                except httpx.HTTPError as e:
+                    self.errors.append(f"ping: {type(e).__name__}")
+                    ok = False
+                self.pings.append(time.perf_counter() - t)
+                if not ok:
+                    self.errors.append("ping failed")
+                time.sleep(0.05)
+
+
+def cap_new_tokens(case) -> None:
+    """Positive bodies only: short completions (the schema allows up to the whole context)."""
+    body = case.body
+    if isinstance(body, dict):
+        for key in ("max_tokens", "max_completion_tokens"):
+            if isinstance(body.get(key), int) and not isinstance(body.get(key), bool) and body[key] > MAX_NEW_TOKENS:
+                body[key] = MAX_NEW_TOKENS
+        if "messages" in body and body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+            body["max_tokens"] = MAX_NEW_TOKENS
+        if "prompt" in body and "max_tokens" in body and body["max_tokens"] is None:
+            body["max_tokens"] = MAX_NEW_TOKENS
+
+
+def wait_idle(proc: ServerProcess, timeout: float = 60) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        h = proc.health()
+        if (h["kv"]["num_used_blocks"] == 0 and h["requests"] == {"running": 0, "waiting": 0}) \
+                or time.monotonic() > deadline:
+            return h
+        time.sleep(0.5)
+
+
+def test_schemathesis_against_a_real_server():
+    with ServerProcess("--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256") as proc:
+        schema = schemathesis.openapi.from_url(proc.url + "/openapi.json")
+        raw = httpx.get(proc.url + "/openapi.json").json()
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            assert raw["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+
+        statuses: collections.Counter = collections.Counter()
+        failures: list[str] = []
+        session = requests.Session()
+
+        def run(operation, mode, examples: int) -> None:
+            @settings(max_examples=examples, deadline=None, database=None, phases=[Phase.generate],
+                      suppress_health_check=list(HealthCheck), derandomize=True)
+            @given(operation.as_strategy(generation_mode=mode))
+            def one(case) -> None:
+                if mode == schemathesis.GenerationMode.POSITIVE:
+                    cap_new_tokens(case)
+                try:
+                    r = case.call(base_url=proc.url, session=session, timeout=60)
+                except Exception as e:  # noqa: BLE001 - a dropped connection is a finding too
+                    statuses["no answer"] += 1
+                    failures.append(f"{operation.label} {mode.value}: no answer ({type(e).__name__}: {e})")
+                    return
+                statuses[r.status_code] += 1
+                where = f"{operation.label} {mode.value} {r.status_code}: body {str(case.body)[:200]!r}"
+                if r.status_code >= 500:
+                    failures.append(f"{where} -> {r.text[:300]}")
+                elif r.status_code >= 400:
+                    try:
+                        err = r.json()["error"]
+                        assert set(err) == ERROR_KEYS and isinstance(err["message"], str) and err["message"]
+                    except Exception:  # noqa: BLE001
+                        failures.append(f"{where}: not in OpenAI's error shape: {r.text[:300]}")
+
+            one()
+
+        t0 = time.perf_counter()
+        with Beside(proc.url) as beside:
+            time.sleep(1.0)  # the victim is streaming
+            for operation in schema.get_all_operations():
+                op = operation.ok()
+                main = op.path in ("/v1/completions", "/v1/chat/completions")
+                for mode in (schemathesis.GenerationMode.POSITIVE, schemathesis.GenerationMode.NEGATIVE):
+                    if main or mode == schemathesis.GenerationMode.POSITIVE:
+                        run(op, mode, EXAMPLES if main else OTHER_EXAMPLES)
+        elapsed = time.perf_counter() - t0
+        total = sum(statuses.values())
+        longest_gap = max(beside.gaps, default=float("nan"))
+        longest_ping = max(beside.pings, default=float("nan"))
+        print(f"\nschemathesis: {total} requests in {elapsed:.0f} s; statuses {dict(sorted(statuses.items(), key=str))}; "
+              f"victim: {beside.streams} streams, longest gap {longest_gap:.3f} s, longest first chunk "
+              f"{max(beside.first, default=float('nan')):.3f} s; /health/live: {len(beside.pings)} pings, longest "
+              f"{longest_ping:.3f} s")
+
+        assert total >= 2000, total
+        assert not failures, f"{len(failures)} failures, first: " + "\n".join(failures[:10])
+        assert not beside.errors, beside.errors[:5]
+        assert proc.alive()
+        assert "Traceback" not in proc.output(), proc.output()[-3000:]
+        health = wait_idle(proc)
+        assert health["kv"]["num_used_blocks"] == 0, health
+        assert beside.gaps and longest_gap <= BOUND_S, f"victim's longest gap {longest_gap:.3f} s"
+        assert longest_ping <= BOUND_S, f"longest /health/live {longest_ping:.3f} s"
