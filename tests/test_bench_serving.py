@@ -45,6 +45,14 @@ def test_summarize_level_pools_gaps_and_counts_tokens():
     res[1].usage_reported = False  # a server that sends no usage: cached tokens unknown, shown n/a
     row = summarize_level("llama-cpp-server", "shared-prefix", "closed", 4, res, wall_s=2.0)
     assert not row.usage_reported and "| n/a |" in serving.table([row])
+    assert row.server_cpu_s is None and "| – | – |" in serving.table([row])  # no CPU figures: –
+
+
+def test_server_cpu_seconds_are_reported_with_cores_and_processes():
+    row = summarize_level("vllm-cpu", "shared-prefix", "closed", 4, [_result(0.1, [0.01])], wall_s=2.0, cpu=(3.0, 2))
+    assert (row.server_cpu_s, row.server_procs) == (3.0, 2)
+    assert serving.format_cpu(row) == "3.0 (1.5, 2)"  # 3 CPU s over 2 s of wall time: 1.5 cores, 2 processes
+    assert "| 3.0 (1.5, 2) |" in serving.table([row])
 
 
 def _row(peer: str, level: int, tps: float) -> LevelResult:

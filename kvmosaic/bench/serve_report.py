@@ -55,10 +55,13 @@ class LevelResult:
     pool_util: float | None = None
     errors: list[str] = field(default_factory=list)
     usage_reported: bool = True  # False: some responses had no usage (cached tokens unknown)
+    server_cpu_s: float | None = None  # user + system CPU seconds of the server's process tree during the level
+    server_procs: int | None = None  # processes in that tree at the level's end
 
 
 def summarize_level(peer: str, workload: str, mode: str, level: float, results: list[RequestResult],
-                    wall_s: float, pool: dict | None = None) -> LevelResult:
+                    wall_s: float, pool: dict | None = None, cpu: tuple[float, int] | None = None) -> LevelResult:
+    """``cpu``: (CPU seconds the server's process tree used during the level, its processes)."""
     ok = [r for r in results if r.ok]
     gaps = [g for r in ok for g in inter_token_gaps(r.chunk_times)]
     prompt = sum(r.prompt_tokens for r in ok)
@@ -75,17 +78,27 @@ def summarize_level(peer: str, workload: str, mode: str, level: float, results: 
         blocks_used_peak=pool.get("blocks_used_peak"), num_blocks=pool.get("num_blocks"), pool_util=pool.get("pool_util"),
         errors=sorted({r.error for r in results if r.error})[:3],
         usage_reported=all(r.usage_reported for r in ok),
+        server_cpu_s=cpu[0] if cpu else None, server_procs=cpu[1] if cpu else None,
     )
 
 
 # ---- report ------------------------------------------------------------------------------------
 
 COLUMNS = ("workload", "engine", "load", "reqs", "TTFT p50 ms", "TTFT p99 ms", "ITL p50 ms", "ITL p99 ms",
-           "output tok/s", "total tok/s", "cached tok", "blocks used (peak/pool)", "pool util.", "x best peer tok/s")
+           "output tok/s", "total tok/s", "cached tok", "blocks used (peak/pool)", "pool util.", "server CPU s (cores, procs)",
+           "x best peer tok/s")
 
 
 def format_ms(v: float | None) -> str:
     return "–" if v is None else f"{v * 1e3:,.0f}" if v >= 0.01 else f"{v * 1e3:.1f}"
+
+
+def format_cpu(r: LevelResult) -> str:
+    """``12.3 (1.9, 2)``: CPU seconds, their share of the level's wall time in cores, processes."""
+    if r.server_cpu_s is None:
+        return "–"
+    cores = f"{r.server_cpu_s / r.wall_s:.1f}" if r.wall_s else "–"
+    return f"{r.server_cpu_s:.1f} ({cores}, {r.server_procs})"
 
 
 def load_label(r: LevelResult) -> str:
@@ -117,7 +130,7 @@ def table(rows: list[LevelResult], reference: str = "kvmosaic-hash") -> str:
         reqs = f"{r.requests}" + (f" ({r.failed} failed)" if r.failed else "")
         cells = (r.workload, r.peer, load_label(r), reqs, format_ms(r.ttft_p50), format_ms(r.ttft_p99),
                  format_ms(r.itl_p50), format_ms(r.itl_p99), f"{r.output_tps:.0f}", f"{r.total_tps:.0f}",
-                 f"{r.cached_tokens}{share}" if r.usage_reported else "n/a", blocks, util,
+                 f"{r.cached_tokens}{share}" if r.usage_reported else "n/a", blocks, util, format_cpu(r),
                  "–" if ratio is None else f"{ratio:.2f}x")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -134,6 +147,10 @@ DEFINITIONS = """\
   and one token per content chunk.
 - *cached tok*: sum of usage.prompt_tokens_details.cached_tokens (share of prompt tokens); n/a where
   the server does not report it.
+- *server CPU s (cores, procs)*: user + system CPU seconds of the peer's server during the level, over
+  its whole process tree (psutil: the server, its live children such as vLLM's engine core, and
+  children it has reaped); *cores*: those seconds / the level's wall time; *procs*: processes in the
+  tree at the level's end. A peer using more cores than `--threads` shows here.
 - *x best peer tok/s*: the reference kvmosaic peer's total tok/s / the best other engine's at that load
   (kvmosaic's own configurations excluded).
 """

