@@ -6,10 +6,12 @@ for a while starts again at the front). Each step:
 
 * running sequences: decodes first (one token each: cheap, and every stream advances), then
   prefill chunks, the least-served tenant's first; a preemption, which takes the last of this
-  order, so falls on the most-served tenant;
+  order, so falls on the most-served tenant; running prefills leave part of the budget
+  (:meth:`FairShare.reserve`) to waiting requests of less-served tenants;
 * waiting sequences: the least-served tenant's first (the queue's own order kept within a
   tenant), and a tenant already holding its share of the running slots
-  (``ceil(max_num_seqs / active tenants)``) waits while another tenant has a request waiting.
+  (``ceil(max_num_seqs / active tenants)``) waits while another tenant has a request waiting;
+  a tenant under its share may take a slot past ``max_num_seqs`` (one per other tenant).
 
 A request's tenant is ``Sequence.tenant`` (the server sets it from the API key; None: one
 shared class). With a single tenant nothing is reordered, so the FCFS/LPM behaviour and its
@@ -46,10 +48,31 @@ class FairShare:
         prefills = [s for s in running if s.num_uncomputed > 1]
         return decodes + sorted(prefills, key=lambda s: self.served.get(s.tenant, 0.0))
 
+    def reserve(self, running: list[Sequence], waiting: Iterable[Sequence], budget: int) -> int:
+        """Tokens of this step's budget kept from running prefills for waiting requests of tenants
+        served less than the most-served tenant prefilling now (at most half the budget), so a
+        newcomer is not queued behind another tenant's long prompts being chunked in."""
+        prefilling = {s.tenant for s in running if s.num_uncomputed > 1}
+        if not prefilling:
+            return 0
+        top = max(self.served.get(t, 0.0) for t in prefilling)
+        want = sum(s.num_tokens for s in waiting
+                   if s.tenant not in prefilling or self.served.get(s.tenant, 0.0) < top)
+        return min(budget // 2, want) if len(prefilling | {s.tenant for s in waiting}) > 1 else 0
+
     def order_waiting(self, waiting: list[Sequence]) -> list[Sequence]:
         if len(self.tenants(waiting)) < 2:
             return list(waiting)
         return sorted(waiting, key=lambda s: self.served.get(s.tenant, 0.0))  # stable: queue order kept
+
+    def may_exceed(self, seq: Sequence, running: list[Sequence], max_num_seqs: int) -> bool:
+        """The slots are full, but ``seq``'s tenant holds less than its share of them: it may run
+        beyond ``max_num_seqs`` (by at most one slot per other tenant), instead of waiting for
+        another tenant's requests to finish."""
+        active = self.tenants(running) | {seq.tenant}
+        if len(active) < 2 or len(running) >= max_num_seqs + len(active) - 1:
+            return False
+        return sum(s.tenant == seq.tenant for s in running) < math.ceil(max_num_seqs / len(active))
 
     def over_share(self, seq: Sequence, running: list[Sequence], waiting: Iterable[Sequence],
                    max_num_seqs: int) -> bool:

@@ -129,10 +129,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        reserved = self.fair.reserve(self.running, self.waiting, budget)  # for other tenants' newcomers
         queue = self.fair.order_running(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
-            n = min(seq.num_uncomputed, budget)
+            n = min(seq.num_uncomputed, budget if seq.num_uncomputed <= 1 else budget - reserved)
+            if n <= 0:
+                continue
             while self.kv.allocate_slots(seq, seq.num_computed_tokens + n) is None:
                 if self.running == [seq]:  # alone and still too big: it can never continue
                     self._drop(seq, out)
@@ -154,7 +157,10 @@ class Scheduler:
         self._order_waiting()
         inflight = self._inflight_blocks() if self.kv.enable_caching else None
         for seq in self.fair.order_waiting(list(self.waiting)):
-            if budget <= 0 or len(self.running) >= self.config.max_num_seqs:
+            if budget <= 0:
+                break
+            if len(self.running) >= self.config.max_num_seqs and \
+                    not self.fair.may_exceed(seq, self.running, self.config.max_num_seqs):
                 break
             if self.fair.over_share(seq, self.running, self.waiting, self.config.max_num_seqs):
                 continue  # its tenant holds its share of the slots while another tenant waits

@@ -1,0 +1,119 @@
+"""``python -m kvmosaic.bench.fairness``: does one tenant's flood hold back another?
+
+One ``kvmosaic serve`` with two API keys. Tenant B sends short requests one at a time
+(``--b-requests``); its TTFT p50 is measured (1) alone, (2) while tenant A keeps ``--flood``
+requests of ``--flood-tokens``-token distinct prompts in flight, and (3) the same flood with
+B's requests sent under A's key, i.e. as one more of A's requests: what B would see without
+fair share between tenants (engine/fair_share.py). Prints the three p50s and the ratios
+(target: (2) / (1) <= 2, issue 25). Streaming, temperature 0; prompts seeded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+
+import httpx
+
+WORDS = "apple river stone cloud engine paper garden silver window market candle forest".split()
+
+
+def prompt(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(words))
+
+
+async def ttft(client: httpx.AsyncClient, key: str, text: str, max_tokens: int) -> float | None:
+    """Seconds to the first content chunk of one streamed completion (None: it failed)."""
+    t0 = time.perf_counter()
+    body = {"prompt": text, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    async with client.stream("POST", "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"}) as r:
+        if r.status_code != 200:
+            return None
+        first = None
+        async for line in r.aiter_lines():
+            if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
+                first = time.perf_counter() - t0
+        return first
+
+
+async def b_series(client, key: str, n: int, rng: random.Random) -> list[float]:
+    out = []
+    for i in range(n):
+        t = await ttft(client, key, f"Question {i}: " + prompt(rng, 60), 4)
+        if t is not None:
+            out.append(t)
+    return out
+
+
+async def flood(client, n: int, words: int, rng: random.Random, stop: asyncio.Event) -> None:
+    """Keep ``n`` of A's long requests in flight until ``stop``."""
+    async def one(i: int) -> None:
+        while not stop.is_set():
+            try:
+                await ttft(client, "key-a", f"Flood {i} {rng.random()}: " + prompt(rng, words), 16)
+            except httpx.HTTPError:
+                pass
+
+    tasks = [asyncio.create_task(one(i)) for i in range(n)]
+    await stop.wait()
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def under_flood(url: str, args, b_key: str, seed: int) -> list[float]:
+    rng = random.Random(seed)
+    stop = asyncio.Event()
+    limits = httpx.Limits(max_connections=args.flood + 8)
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
+        flooding = asyncio.create_task(flood(client, args.flood, int(args.flood_tokens / 1.2), rng, stop))
+        await asyncio.sleep(args.warmup)  # the flood fills the running slots and the queue
+        got = await b_series(client, b_key, args.b_requests, rng)
+        stop.set()
+        await flooding
+    return got
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvmosaic.server.launch import ServerProcess
+
+    from .machine import describe
+
+    p = argparse.ArgumentParser(prog="python -m kvmosaic.bench.fairness", description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--flood", type=int, default=64, help="A's requests in flight")
+    p.add_argument("--flood-tokens", type=int, default=1500, help="tokens per A prompt")
+    p.add_argument("--b-requests", type=int, default=6)
+    p.add_argument("--warmup", type=float, default=5.0, help="seconds of flood before B starts")
+    p.add_argument("--serve-args", default="", help="more 'kvmosaic serve' flags")
+    args = p.parse_args(argv)
+    print(f"machine: {describe()}")
+    flags = ["--dtype", args.dtype, "--api-key", "key-a", "--api-key", "key-b", *args.serve_args.split()]
+    with ServerProcess(*flags) as server:
+        async def alone() -> list[float]:
+            async with httpx.AsyncClient(base_url=server.url, timeout=600) as client:
+                await b_series(client, "key-b", 2, random.Random(9))  # warm up
+                return await b_series(client, "key-b", args.b_requests, random.Random(1))
+
+        solo = asyncio.run(alone())
+        fair = asyncio.run(under_flood(server.url, args, "key-b", 2))
+        as_a = asyncio.run(under_flood(server.url, args, "key-a", 3))
+    rows = [("B alone", solo), ("B beside A's flood", fair), ("B's requests as A's (no fair share)", as_a)]
+    print(f"\nflood: {args.flood} x {args.flood_tokens}-token prompts from key A; B: {args.b_requests} requests "
+          f"one at a time, ~70-token prompts, dtype {args.dtype}\n")
+    print("| B's requests | TTFT p50 ms | n |\n|---|---|---|")
+    for name, xs in rows:
+        print(f"| {name} | {statistics.median(xs) * 1e3:,.0f} | {len(xs)} |" if xs else f"| {name} | failed | 0 |")
+    if solo and fair:
+        print(f"\nbeside the flood / alone: {statistics.median(fair) / statistics.median(solo):.2f}x (target <= 2)")
+    if fair and as_a:
+        print(f"without fair share / with: {statistics.median(as_a) / statistics.median(fair):.1f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
