@@ -88,10 +88,30 @@ def values_given(cls, ns: argparse.Namespace) -> dict[str, Any]:
     return {f.name: getattr(ns, f.name) for f in fields(cls) if getattr(ns, f.name, None) is not None}
 
 
+class CliArgs:
+    """A dataclass of :func:`option` fields as a command line: its flags (in ``--help`` section
+    ``SECTION``), made from a parsed namespace, and its values as a dict."""
+
+    SECTION = "options"
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        add_dataclass_arguments(parser, cls, cls.SECTION)
+
+    @classmethod
+    def from_cli_args(cls, ns: argparse.Namespace):
+        return cls(**values_given(cls, ns))
+
+    def values(self) -> dict[str, Any]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
 @dataclass
-class EngineArgs:
+class EngineArgs(CliArgs):
     """Every engine option as given, unresolved (see the module docstring). Names follow
     vLLM's engine arguments."""
+
+    SECTION = "engine"
 
     model: str | None = option(None, "GGUF file or safetensors folder (default: the shipped model)")
     dtype: str = option("auto", "auto: bfloat16 where the hardware computes it natively "
@@ -137,17 +157,6 @@ class EngineArgs:
                                               "shared tiers trust every writer)", metavar="SECRET", repr=False)
     kv_tier_secret_file: str | None = option(None, "read --kv-tier-secret from this file at engine start",
                                              metavar="PATH")
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_arguments(parser, EngineArgs, "engine")
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> EngineArgs:
-        return cls(**values_given(EngineArgs, ns))
-
-    def values(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(EngineArgs)}
 
     def create_engine_config(self, **overrides: Any) -> EngineConfig:
         """The validated config on this machine (``dtype="auto"`` resolved here)."""

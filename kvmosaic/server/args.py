@@ -12,12 +12,11 @@ docs/ARCHITECTURE.md ("One set of arguments").
 
 from __future__ import annotations
 
-import argparse
 import secrets
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Any
 
-from ..engine.arg_utils import add_dataclass_arguments, memory_size, option, values_given
+from ..engine.arg_utils import CliArgs, memory_size, option
 from .tenancy import TENANCY_MODES
 
 REPLICAS = "replicas (Ray Serve)"
@@ -26,7 +25,9 @@ EVENTS = "KV events (ZeroMQ, vLLM's format)"
 
 
 @dataclass
-class ServerArgs:
+class ServerArgs(CliArgs):
+    SECTION = "server"
+
     host: str = option("127.0.0.1", "address to listen on")
     port: int = option(8000, "port to listen on")
     served_model_name: str | None = option(None, "the model name clients use (default: the model's)")
@@ -97,17 +98,6 @@ class ServerArgs:
     @property
     def tenancy_mode(self) -> str:
         return self.tenancy or ("isolated" if self.api_key or self.api_key_salt is not None else "shared")
-
-    @classmethod
-    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
-        add_dataclass_arguments(parser, ServerArgs, "server")
-
-    @classmethod
-    def from_cli_args(cls, ns: argparse.Namespace) -> ServerArgs:
-        return cls(**values_given(ServerArgs, ns))
-
-    def values(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(ServerArgs)}
 
     def engine_overrides(self) -> dict[str, Any]:
         """What the server sets in the engine's config: events on when published (always on a
