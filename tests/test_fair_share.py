@@ -4,7 +4,8 @@
   within a few steps (A's prefills take turns with it), where as one more of A's it would wait
   for the whole flood; outputs are unchanged by the reordering (greedy);
 * server: with ``--tenant-max-requests 2`` a key's third concurrent request gets 429 with
-  ``Retry-After``, counted per tenant, while another key is served.
+  ``Retry-After``, counted per tenant, while another key is served (one process, and through
+  ``--replicas 2``, where each replica counts its own requests).
 """
 
 from __future__ import annotations
@@ -53,11 +54,13 @@ def test_a_flood_of_one_tenant_does_not_hold_back_another(engine):
     assert fair_out == same_out, "fair share reorders work, never changes it"
 
 
-@pytest.fixture(scope="module")
-def server():
+@pytest.fixture(scope="module", params=[None, 2], ids=["one-process", "replicas-2"])
+def server(request):
+    # through replicas each replica keeps its own counts: a key's limit holds per replica
+    replicas = ["--replicas", str(request.param)] if request.param else []
     with ServerProcess("--dtype", "float32", "--num-kv-blocks", "256", "--max-model-len", "1024",
                        "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "admin",
-                       "--tenant-max-requests", "2") as proc:
+                       "--tenant-max-requests", "2", *replicas) as proc:
         yield proc
 
 
@@ -81,7 +84,9 @@ def test_a_tenant_over_its_limit_gets_429_and_others_are_served(server):
     assert refused.json()["error"]["type"] == "rate_limit_error"
     metrics = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer admin"}).text
     rejected = [line for line in metrics.splitlines() if line.startswith("kvmosaic:tenant_requests_rejected_total{")]
-    assert len(rejected) == 1 and 'tenant="t-' in rejected[0] and float(rejected[0].rsplit(" ", 1)[1]) == codes.count(429)
+    assert rejected and all('tenant="t-' in line for line in rejected)
+    assert len({line.split('tenant="')[1].split('"')[0] for line in rejected}) == 1, "one key's label, key-a's"
+    assert sum(float(line.rsplit(" ", 1)[1]) for line in rejected) == codes.count(429)
     assert "key-a" not in metrics
     # every admitted request released its count: key-a is served again
     r = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-a"},
