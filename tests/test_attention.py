@@ -49,11 +49,25 @@ def _decode_meta(ctxs: list[torch.Tensor], shared=()):
     lens = torch.tensor([len(c) for c in ctxs])
     padded = torch.nn.utils.rnn.pad_sequence(ctxs, batch_first=True)
     mask = (torch.arange(padded.shape[1])[None, :] < lens[:, None])[:, None, None, :]
-    return AttentionMetadata(torch.arange(len(ctxs)), [], DecodeBatch(torch.arange(len(ctxs)), padded, mask, list(shared)))
+    return AttentionMetadata(torch.arange(len(ctxs)), [],
+                             DecodeBatch(torch.arange(len(ctxs)), padded, mask, list(shared), lens))
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def decode_path(request, monkeypatch):
+    """Decode attention through the compiled in-place kernel (model/kernels) and through the
+    torch path that gathers the contexts: both must meet the same references."""
+    from kvmosaic.model import kernels
+
+    if request.param == "torch":
+        monkeypatch.setattr(kernels, "available", lambda q, k: False)
+    elif not kernels.available(torch.zeros(1, 4, 16), torch.zeros(1, 2, 16)):
+        pytest.skip("the CPU kernel is not built here (no C compiler)")
+    return request.param
 
 
 @pytest.mark.parametrize("prefix_len", [1, 64, 300])
-def test_cascade_decode_equals_plain_decode(prefix_len):
+def test_cascade_decode_equals_plain_decode(prefix_len, decode_path):
     """Decodes sharing a prefix: the prefix attended once (cascade) and each tail on its own,
     merged by log-sum-exp, equals every sequence attending its whole context — and a float64
     softmax(QK^T)V. Two groups, one sequence outside both, tails of different lengths."""
@@ -94,3 +108,20 @@ def test_shared_prefixes_groups_rows_by_their_common_leading_blocks():
     assert shared_prefixes(tables, ctx, 16, 4) == []
     assert shared_prefixes([[1, 2], [1, 2]], [17, 17], 16, 1) == [(1, [0, 1])]
     assert shared_prefixes([[1, 2], [1, 2]], [16, 17], 16, 1) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_over_the_pool_matches_a_float64_reference(dtype, decode_path):
+    """Batched decode with contexts of 1 to 700 tokens at scattered slots, in both pool dtypes:
+    each row equals a float64 softmax(QK^T)V over that row's own context."""
+    torch.manual_seed(7)
+    heads, kv_heads, d, pool = 9, 3, 64, 3000
+    pool_k, pool_v = torch.randn(pool, kv_heads, d).to(dtype), torch.randn(pool, kv_heads, d).to(dtype)
+    ctxs = [torch.randperm(pool)[:n] for n in (1, 31, 32, 33, 700, 5)]
+    q = torch.randn(len(ctxs), heads, d).to(dtype)
+    out = paged_attention(q, pool_k, pool_v, _decode_meta(ctxs), 0.125)
+    assert out.dtype == dtype
+    for i, ctx in enumerate(ctxs):
+        ref = reference(q[i : i + 1].float(), pool_k[ctx].float(), pool_v[ctx].float(), torch.tensor([len(ctx) - 1]), 0.125)
+        tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
+        torch.testing.assert_close(out[i : i + 1].double(), ref, atol=tol, rtol=0)

@@ -104,8 +104,8 @@ def test_cascade_decode_of_a_shared_prefix_equals_cache_off(tokenizer, monkeypat
     import kvmosaic.model.attention as attention
 
     calls = []
-    cascade = attention._cascade_decode_attention
-    monkeypatch.setattr(attention, "_cascade_decode_attention", lambda *a: calls.append(1) or cascade(*a))
+    cascade = attention._merge_shared_prefixes
+    monkeypatch.setattr(attention, "_merge_shared_prefixes", lambda *a: calls.append(1) or cascade(*a))
     rng = random.Random(3)
     prefix = [rng.randrange(100, 49000) for _ in range(100)]
     prompts = [prefix + [rng.randrange(100, 49000) for _ in range(rng.randint(1, 20))] for _ in range(6)]

@@ -71,7 +71,7 @@ class ModelRunner:
         mask = None
         if int(lens.min()) != padded.shape[1]:
             mask = (torch.arange(padded.shape[1])[None, :] < lens[:, None])[:, None, None, :]
-        return DecodeBatch(torch.tensor(index), padded, mask, shared)
+        return DecodeBatch(torch.tensor(index), padded, mask, shared, lens)
 
     def execute(self, batch: list[tuple[ScheduledSeq, list[int]]]) -> StepResult:
         ids, pos, meta, logits_index, sampling = self.prepare(batch)
@@ -119,5 +119,6 @@ def _to_device(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
     prefills = [PrefillSpan(p.start, p.end, mv(p.ctx_slots), mv(p.mask)) for p in meta.prefills]
     d = meta.decode
     decode = None if d is None else DecodeBatch(
-        mv(d.token_index), mv(d.ctx_slots), mv(d.mask), [SharedPrefix(mv(p.slots), mv(p.members)) for p in d.shared])
+        mv(d.token_index), mv(d.ctx_slots), mv(d.mask), [SharedPrefix(mv(p.slots), mv(p.members)) for p in d.shared],
+        mv(d.lens))
     return AttentionMetadata(mv(meta.slot_mapping), prefills, decode)

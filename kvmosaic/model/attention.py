@@ -28,6 +28,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from . import kernels
+
 
 class PagedKV(Protocol):
     """What attention needs of the KV pool (``kv.paged.PagedKVCache`` provides it): per-layer
@@ -66,6 +68,7 @@ class DecodeBatch:
     ctx_slots: torch.Tensor
     mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool, None when no padding
     shared: list[SharedPrefix] = field(default_factory=list)
+    lens: torch.Tensor | None = None  # [B] int64: how many of each row's ctx_slots are real
 
 
 @dataclass
@@ -101,11 +104,21 @@ def paged_attention(
 
 def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                       d: DecodeBatch, scale: float) -> torch.Tensor:
-    """One query per sequence, ``q`` ``[B, H, D]`` -> ``[B, H, D]``. CPU kernels are far faster
-    in float32 here (bfloat16 runs a slow path for q_len == 1), so the context is upcast."""
+    """One query per sequence, ``q`` ``[B, H, D]`` -> ``[B, H, D]``.
+
+    On a CPU with the compiled kernel (``model/kernels``) each sequence's K and V are read in
+    place in the pool. Otherwise they are gathered into a padded copy, upcast to float32 on a CPU
+    (torch's bfloat16 kernel runs a slow path for q_len == 1). Shared prefixes (cascade) are
+    attended once per group either way and merged in."""
+    if d.lens is not None and kernels.available(q, k_cache):
+        o, lse = kernels.paged_decode_attention(q, k_cache, v_cache, d.ctx_slots, d.lens, scale)
+        if d.shared:
+            o = _merge_shared_prefixes(q.float(), o, lse, k_cache, v_cache, d, scale)
+        return o.to(q.dtype)
     up = torch.float32 if q.device.type == "cpu" else q.dtype
     if d.shared:
-        return _cascade_decode_attention(q.to(up), k_cache, v_cache, d, scale).to(q.dtype)
+        o, lse = _gathered_attention_with_lse(q.to(up), k_cache, v_cache, d, scale)
+        return _merge_shared_prefixes(q.to(up), o, lse, k_cache, v_cache, d, scale).to(q.dtype)
     b, n = d.ctx_slots.shape
     slots = d.ctx_slots.reshape(-1)
     k = k_cache.index_select(0, slots).to(up).view(b, n, *k_cache.shape[1:]).transpose(1, 2)
@@ -114,20 +127,13 @@ def _decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
     return o.squeeze(2).to(q.dtype)
 
 
-def _cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                              d: DecodeBatch, scale: float) -> torch.Tensor:
-    """Decode attention with shared prefixes read once. ``q`` ``[B, H, D]`` in the compute
-    dtype; returns ``[B, H, D]``.
-
-    Each sequence first attends its own slots (``d.ctx_slots``); then each shared prefix is
-    attended by all its members' queries as one ``[kv_heads, members * group, D]`` product, and
-    the two partial results are combined: with ``lse`` the log-sum-exp of each part's scores,
-    ``o = o_own * exp(lse_own - lse) + o_prefix * exp(lse_prefix - lse)``, ``lse`` their logaddexp.
-    """
+def _gathered_attention_with_lse(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                 d: DecodeBatch, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each sequence over its own ``d.ctx_slots``, gathered: output ``[B, H, D]`` and the
+    log-sum-exp of its scaled scores ``[B, H]``, in ``q``'s dtype."""
     b, n = d.ctx_slots.shape
     kv_heads, dim = k_cache.shape[1:]
-    group = q.shape[1] // kv_heads
-    qg = q.view(b, kv_heads, group, dim)
+    qg = q.view(b, kv_heads, -1, dim)
     slots = d.ctx_slots.reshape(-1)
     k = k_cache.index_select(0, slots).to(q.dtype).view(b, n, kv_heads, dim)
     v = v_cache.index_select(0, slots).to(q.dtype).view(b, n, kv_heads, dim)
@@ -136,6 +142,22 @@ def _cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         s.masked_fill_(~d.mask.view(b, 1, 1, n), float("-inf"))
     lse = s.logsumexp(-1)  # [B, kv_heads, group]; finite: every row has its decode token
     o = torch.einsum("bgrn,bngd->bgrd", (s - lse[..., None]).exp_(), v)
+    return o.reshape(b, -1, dim), lse.reshape(b, -1)
+
+
+def _merge_shared_prefixes(q: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, d: DecodeBatch, scale: float) -> torch.Tensor:
+    """Cascade attention: each shared prefix is attended by all its members' queries as one
+    ``[kv_heads, members * group, D]`` product and merged with the members' own results ``o``
+    ``[B, H, D]`` (log-sum-exps ``lse`` ``[B, H]``): with ``lse`` the log-sum-exp of each part's
+    scores, ``o = o_own * exp(lse_own - lse) + o_prefix * exp(lse_prefix - lse)``, ``lse`` their
+    logaddexp. ``q``, ``o`` and ``lse`` share the compute dtype; returns ``[B, H, D]``."""
+    b, heads, dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = heads // kv_heads
+    qg = q.view(b, kv_heads, group, dim)
+    o = o.view(b, kv_heads, group, dim)
+    lse = lse.view(b, kv_heads, group)
     for prefix in d.shared:
         m = prefix.members
         qp = qg.index_select(0, m).transpose(0, 1).reshape(kv_heads, -1, dim)  # [kv_heads, n*group, D]
@@ -150,7 +172,7 @@ def _cascade_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         total = torch.logaddexp(lse_own, lse_p)
         merged = o.index_select(0, m) * (lse_own - total).exp_()[..., None] + op * (lse_p - total).exp_()[..., None]
         o.index_copy_(0, m, merged)
-    return o.view(b, kv_heads * group, dim)
+    return o.view(b, heads, dim)
 
 
 def prefill_mask(q_len: int, ctx_len: int) -> torch.Tensor | None:

@@ -1,0 +1,140 @@
+"""CPU kernels written for kvmosaic, built on first use with the system's C compiler.
+
+Only what torch has no fast path for lives here: :func:`paged_decode_attention` reads a decode
+batch's K and V in place in the paged pool (``paged_decode.c``), where the torch path gathers
+every context into a padded copy and upcasts it to float32 (``model/attention.py``).
+
+The shared library is compiled once per source, compiler and CPU into
+``$KVMOSAIC_KERNEL_CACHE`` (default ``~/.cache/kvmosaic/kernels``) in about a second, and
+loaded with ctypes. Nothing is required: with no compiler, a failed build, a result that
+disagrees with torch's attention on a check run at load time, or ``KVMOSAIC_KERNELS=0``,
+:func:`available` is False and attention keeps the torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("kvmosaic")
+
+SOURCE = Path(__file__).with_name("paged_decode.c")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast"]
+MAX_GROUP, MAX_DIM = 16, 256  # as in paged_decode.c
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("KVMOSAIC_KERNEL_CACHE") or Path.home() / ".cache" / "kvmosaic" / "kernels")
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return platform.processor()
+
+
+def _build(compiler: str) -> Path:
+    """The library for this source, compiler and CPU; built (atomically: parallel processes
+    race harmlessly) when not cached yet."""
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        built = Path(tmp) / target.name
+        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
+                       text=True, timeout=120)
+        os.replace(built, target)
+    return target
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("KVMOSAIC_KERNELS", "1") == "0":
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        log.info("no C compiler: decode attention uses the torch path")
+        return None
+    try:
+        lib = ctypes.CDLL(str(_build(compiler)))
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", "") or exc
+        log.warning("CPU kernel build failed, decode attention uses the torch path: %s", str(detail)[-500:])
+        return None
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [
+        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    return lib if _agrees_with_torch(lib) else None
+
+
+def _agrees_with_torch(lib: ctypes.CDLL) -> bool:
+    """Run the kernel on a small random batch in both pool dtypes and compare it with torch's
+    attention on gathered float32 copies."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        k = torch.randn(80, 2, 64, generator=g).to(dtype)
+        v = torch.randn(80, 2, 64, generator=g).to(dtype)
+        q = torch.randn(3, 6, 64, generator=g).to(dtype)
+        slots = torch.randperm(80, generator=g)[:60].view(3, 20)
+        lens = torch.tensor([20, 7, 1])
+        out, lse = _call(lib, q, k, v, slots, lens, 0.125)
+        for b in range(3):
+            s = slots[b, : lens[b]]
+            kb = k[s].float().transpose(0, 1).repeat_interleave(3, 0)  # [H, n, D]
+            vb = v[s].float().transpose(0, 1).repeat_interleave(3, 0)
+            scores = torch.einsum("hd,hnd->hn", q[b].float(), kb) * 0.125
+            want = torch.einsum("hn,hnd->hd", scores.softmax(-1), vb)
+            if not (torch.allclose(out[b], want, atol=1e-5, rtol=1e-4)
+                    and torch.allclose(lse[b], scores.logsumexp(-1), atol=1e-5, rtol=1e-5)):
+                log.warning("CPU decode-attention kernel disagrees with torch here; using the torch path")
+                return False
+    return True
+
+
+def _call(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+          lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    batch, heads, dim = q.shape
+    q_bf16_exact = int(q.dtype == torch.bfloat16)
+    q = q.float().contiguous()
+    slots, lens = slots.contiguous(), lens.contiguous()
+    out = torch.empty(batch, heads, dim)
+    lse = torch.empty(batch, heads)
+    rc = lib.paged_decode_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), int(k.dtype == torch.bfloat16), q_bf16_exact, slots.data_ptr(), lens.data_ptr(),
+        batch, heads, k.shape[1], dim, slots.shape[1], scale, out.data_ptr(), lse.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"paged_decode_attention: unsupported shape heads={heads} kv_heads={k.shape[1]} dim={dim}")
+    return out, lse
+
+
+def available(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    """Whether :func:`paged_decode_attention` serves this query and pool."""
+    heads, dim = q.shape[-2:]
+    kv_heads = k_cache.shape[1]
+    return (q.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.is_contiguous()
+            and heads % kv_heads == 0 and heads // kv_heads <= MAX_GROUP and dim <= MAX_DIM
+            and _library() is not None)
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                           lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` ``[B, H, D]`` attends the first ``lens[b]`` (>= 1) of ``slots[b]`` in the pool
+    ``[num_slots, Hkv, D]``. Returns the output ``[B, H, D]`` and the log-sum-exp of the scaled
+    scores ``[B, H]``, both float32. Call only where :func:`available` is True."""
+    return _call(_library(), q, k_cache, v_cache, slots, lens, scale)

@@ -1,0 +1,267 @@
+/* Paged decode attention for CPUs: one query token per sequence, reading K and V in place in
+ * the paged pool (no gather, no upcast copy). See kvmosaic/model/kernels/__init__.py and
+ * docs/ARCHITECTURE.md ("Attention over the pool").
+ *
+ * For each (sequence, kv head) the group's G query heads walk the sequence's slots in tiles of
+ * TILE tokens with an online softmax in float32: scores of a tile, one rescale of the running
+ * sum, then the tile's values. Each K and V row is read once per (sequence, kv head) and
+ * converted to float32 in registers. Returns the attention output and the log-sum-exp of the
+ * scaled scores (cascade attention merges partial results with it).
+ *
+ * Written in plain C so that it builds in about a second with the system compiler; OpenMP
+ * resolves to the runtime torch has already loaded (libgomp.so.1), so torch.set_num_threads
+ * and this kernel share one thread pool.
+ */
+#include <stdint.h>
+#include <string.h>
+#include <math.h>
+
+#define TILE 32
+#define MAX_GROUP 16
+#define MAX_DIM 256
+#define PREFETCH 8 /* tokens ahead */
+
+static inline float bf16_to_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+/* exp(x) for x <= 0, relative error ~1e-7 (Cephes' polynomial); plain arithmetic, so the
+ * compiler vectorizes it without -ffast-math. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float two_n;
+    memcpy(&two_n, &bits, sizeof two_n);
+    return p * two_n;
+}
+
+static inline __attribute__((always_inline)) void load_row(const void *pool, int kv_bf16, int64_t offset,
+                                                           const int64_t dim, float *dst) {
+    if (kv_bf16) {
+        const uint16_t *src = (const uint16_t *)pool + offset;
+#pragma omp simd
+        for (int64_t d = 0; d < dim; ++d) dst[d] = bf16_to_float(src[d]);
+    } else {
+        memcpy(dst, (const float *)pool + offset, (size_t)dim * sizeof(float));
+    }
+}
+
+/* One (sequence, kv head): the group's queries over the sequence's slots. Inlined into one copy
+ * per head size (see paged_decode_attention), so the loops over ``dim`` have a constant trip
+ * count. */
+static inline __attribute__((always_inline)) void attend_one(
+    const float *q, const void *k_pool, const void *v_pool, int kv_bf16, const int64_t *seq_slots, int64_t len,
+    int64_t kv_heads, const int64_t dim, int64_t g, int64_t group, float scale, float *out, float *lse) {
+    float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], s[MAX_GROUP * TILE];
+    float row[MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t i = 0; i < group * dim; ++i) {
+        qs[i] = q[i] * scale;
+        acc[i] = 0.0f;
+    }
+    for (int64_t r = 0; r < group; ++r) {
+        m[r] = -3.0e38f;
+        l[r] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        for (int64_t j = 0; j < n; ++j) {
+            load_row(k_pool, kv_bf16, (seq_slots[t0 + j] * kv_heads + g) * dim, dim, row);
+            for (int64_t r = 0; r < group; ++r) {
+                const float *qr = qs + r * dim;
+                float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                for (int64_t d = 0; d < dim; ++d) dot += qr[d] * row[d];
+                s[r * TILE + j] = dot;
+            }
+        }
+        for (int64_t r = 0; r < group; ++r) {
+            float *sr = s + r * TILE;
+            float tile_max = m[r];
+#pragma omp simd reduction(max : tile_max)
+            for (int64_t j = 0; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
+            const float correction = exp_nonpositive(m[r] - tile_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < TILE; ++j) {
+                sr[j] = j < n ? exp_nonpositive(sr[j] - tile_max) : 0.0f;
+                sum += sr[j];
+            }
+            l[r] = l[r] * correction + sum;
+            m[r] = tile_max;
+            float *ar = acc + r * dim;
+#pragma omp simd
+            for (int64_t d = 0; d < dim; ++d) ar[d] *= correction;
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            load_row(v_pool, kv_bf16, (seq_slots[t0 + j] * kv_heads + g) * dim, dim, row);
+            for (int64_t r = 0; r < group; ++r) {
+                const float p = s[r * TILE + j];
+                float *ar = acc + r * dim;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; ++d) ar[d] += p * row[d];
+            }
+        }
+    }
+    for (int64_t r = 0; r < group; ++r) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = acc[r * dim + d] * inv;
+        lse[r] = m[r] + logf(l[r]);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+
+/* r[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once: three rounds of shuffles and adds
+ * (45 instructions, against 16 separate horizontal sums). */
+static inline __m512 sum_lanes_16(const __m512 *v) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; ++i)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; ++i)
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+}
+
+/* attend_one for a bfloat16 pool and bfloat16-exact queries on CPUs with AVX512-BF16: scores
+ * with the bf16 dot-product instruction (products exact, sums in float32), values converted to
+ * float32 in registers. Requires dim % 32 == 0. Same results as attend_one up to float32
+ * summation order. Inlined with constant (group, dim) for the common shapes (see
+ * attend_avx512bf16), so the queries and accumulators stay in registers. */
+static inline __attribute__((always_inline)) void attend_one_avx512bf16(
+    const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *seq_slots, int64_t len,
+    int64_t kv_heads, const int64_t dim, int64_t g, const int64_t group, float scale, float *out, float *lse) {
+    __m512bh qb[MAX_GROUP][MAX_DIM / 32];
+    __m512 acc[MAX_GROUP][MAX_DIM / 16];
+    float s[MAX_GROUP * TILE], m[MAX_GROUP], l[MAX_GROUP];
+    const int64_t pairs = dim / 32, vecs = dim / 16;
+    for (int64_t r = 0; r < group; ++r) {
+        for (int64_t c = 0; c < pairs; ++c)
+            qb[r][c] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + r * dim + 32 * c + 16), _mm512_loadu_ps(q + r * dim + 32 * c));
+        for (int64_t c = 0; c < vecs; ++c) acc[r][c] = _mm512_setzero_ps();
+        m[r] = -3.0e38f;
+        l[r] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        for (int64_t j = 0; j < n; ++j) {
+            const int64_t row = (seq_slots[t0 + j] * kv_heads + g) * dim;
+            const uint16_t *krow = k_pool + row;
+            if (t0 + j + PREFETCH < len) {
+                const uint16_t *ahead = k_pool + (seq_slots[t0 + j + PREFETCH] * kv_heads + g) * dim;
+                for (int64_t c = 0; c < dim; c += 32) _mm_prefetch((const char *)(ahead + c), _MM_HINT_T0);
+            }
+            for (int64_t c = 0; c < dim; c += 32) _mm_prefetch((const char *)(v_pool + row + c), _MM_HINT_T0);
+            __m512bh k[MAX_DIM / 32];
+            for (int64_t c = 0; c < pairs; ++c) k[c] = (__m512bh)_mm512_loadu_si512(krow + 32 * c);
+            for (int64_t r = 0; r < group; ++r) {
+                __m512 dot = _mm512_setzero_ps();
+                for (int64_t c = 0; c < pairs; ++c) dot = _mm512_dpbf16_ps(dot, qb[r][c], k[c]);
+                s[r * TILE + j] = _mm512_reduce_add_ps(dot) * scale;
+            }
+        }
+        for (int64_t r = 0; r < group; ++r) {
+            float *sr = s + r * TILE;
+            float tile_max = m[r];
+#pragma omp simd reduction(max : tile_max)
+            for (int64_t j = 0; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
+            const float correction = exp_nonpositive(m[r] - tile_max);
+            float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+            for (int64_t j = 0; j < TILE; ++j) {
+                sr[j] = j < n ? exp_nonpositive(sr[j] - tile_max) : 0.0f;
+                sum += sr[j];
+            }
+            l[r] = l[r] * correction + sum;
+            m[r] = tile_max;
+            const __m512 corr = _mm512_set1_ps(correction);
+            for (int64_t c = 0; c < vecs; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr);
+        }
+        for (int64_t j = 0; j < n; ++j) {
+            const uint16_t *vrow = v_pool + (seq_slots[t0 + j] * kv_heads + g) * dim;
+            __m512 v[MAX_DIM / 16];
+            for (int64_t c = 0; c < vecs; ++c)
+                v[c] = _mm512_castsi512_ps(
+                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(vrow + 16 * c))), 16));
+            for (int64_t r = 0; r < group; ++r) {
+                const __m512 p = _mm512_set1_ps(s[r * TILE + j]);
+                for (int64_t c = 0; c < vecs; ++c) acc[r][c] = _mm512_fmadd_ps(p, v[c], acc[r][c]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < group; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        for (int64_t c = 0; c < vecs; ++c) _mm512_storeu_ps(out + r * dim + 16 * c, _mm512_mul_ps(acc[r][c], inv));
+        lse[r] = m[r] + logf(l[r]);
+    }
+}
+/* attend_one_avx512bf16 with a constant head size and group, where they are common ones. */
+static void attend_avx512bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *seq_slots,
+                              int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group, float scale,
+                              float *out, float *lse) {
+#define CASE(G, D)                                                                                              \
+    if (group == G && dim == D) {                                                                               \
+        attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse);          \
+        return;                                                                                                 \
+    }
+#define CASES(G) CASE(G, 64) CASE(G, 128)
+    CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8)
+#undef CASES
+#undef CASE
+    attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, dim, g, group, scale, out, lse);
+}
+#endif
+
+/* q [B, H, D] float32; k_pool, v_pool [num_slots, Hkv, D] (bfloat16 when kv_bf16, else float32);
+ * slots [B, max_len] int64, of which the first lens[b] (>= 1) are sequence b's context; out
+ * [B, H, D] and lse [B, H] float32. q_bf16_exact: every q value is a bfloat16 value (the model
+ * computes in bfloat16), which lets the AVX512-BF16 path take q as bfloat16 without rounding.
+ * Returns 0, or -1 when a shape is out of the supported range. */
+int paged_decode_attention(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
+                           const int64_t *slots, const int64_t *lens, int64_t batch, int64_t heads,
+                           int64_t kv_heads, int64_t dim, int64_t max_len, float scale, float *out,
+                           float *lse, int num_threads) {
+    if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim > MAX_DIM)
+        return -1;
+    const int64_t group = heads / kv_heads;
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t b = 0; b < batch; ++b) {
+        for (int64_t g = 0; g < kv_heads; ++g) {
+            const int64_t first = b * heads + g * group;
+            const float *qb = q + first * dim;
+            const int64_t *seq_slots = slots + b * max_len;
+#ifdef HAVE_AVX512_BF16
+            if (kv_bf16 && q_bf16_exact && dim % 32 == 0) {
+                attend_avx512bf16(qb, (const uint16_t *)k_pool, (const uint16_t *)v_pool, seq_slots, lens[b],
+                                  kv_heads, dim, g, group, scale, out + first * dim, lse + first);
+                continue;
+            }
+#endif
+            if (dim == 64)
+                attend_one(qb, k_pool, v_pool, kv_bf16, seq_slots, lens[b], kv_heads, 64, g, group, scale,
+                           out + first * dim, lse + first);
+            else if (dim == 128)
+                attend_one(qb, k_pool, v_pool, kv_bf16, seq_slots, lens[b], kv_heads, 128, g, group, scale,
+                           out + first * dim, lse + first);
+            else
+                attend_one(qb, k_pool, v_pool, kv_bf16, seq_slots, lens[b], kv_heads, dim, g, group, scale,
+                           out + first * dim, lse + first);
+        }
+    }
+    return 0;
+}
