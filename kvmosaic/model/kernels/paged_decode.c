@@ -19,7 +19,7 @@
 #define TILE 32
 #define MAX_GROUP 16
 #define MAX_DIM 256
-#define PREFETCH 8 /* tokens ahead */
+#define PREFETCH 16 /* tokens ahead */
 
 static inline float bf16_to_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
