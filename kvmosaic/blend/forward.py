@@ -25,7 +25,7 @@ import torch
 
 from ..kv.paged import PagedKVCache
 from ..model.attention import AttentionMetadata, PrefillSpan, paged_attention, prefill_mask
-from ..model.llama import LlamaForCausalLM
+from ..model.llama import LlamaForCausalLM, RopeAt
 from .select import deviation
 
 Picker = Callable[[torch.Tensor], torch.Tensor]  # scores [R] -> chosen indices into them
@@ -70,7 +70,7 @@ def blend_forward(
     reused = reused[start:].to(dev)
     assert not reused[logits_positions.to(dev) - start].any(), "logits positions must be recomputed"
     x = model.embed_tokens(token_ids[start:].to(dev))
-    cos, sin = model.rotary(pos, x.dtype)
+    rope = RopeAt.at(model.rotary, pos)
     layers = list(model.layers)
     if pick is None:
         sel = (~reused).nonzero().squeeze(1)
@@ -78,9 +78,9 @@ def blend_forward(
     else:
         full = _meta(region_slots, pos, ctx_slots)
         for layer in layers[:check_layer]:
-            x = layer(x, cos, sin, kv, full)
+            x = layer.hidden(x, rope, kv, full)
         layer = layers[check_layer]
-        q, k, v = layer.qkv(x, cos, sin)
+        q, k, v = layer.qkv(layer.input_layernorm(x), rope)
         r_idx = reused.nonzero().squeeze(1)
         r_slots = region_slots[r_idx]
         scores = deviation(k[r_idx], v[r_idx], kv.k[check_layer][r_slots], kv.v[check_layer][r_slots])
@@ -94,9 +94,9 @@ def blend_forward(
     if pick is None:
         x = x[sel]
     meta = _meta(region_slots[sel], pos[sel], ctx_slots)
-    cos, sin = cos[sel], sin[sel]
+    rope = rope.select(sel)
     for layer in layers[first:]:
-        x = layer(x, cos, sin, kv, meta)
+        x = layer.hidden(x, rope, kv, meta)
     where = torch.searchsorted(pos[sel], logits_positions.to(dev))
     logits = model.compute_logits(x.index_select(0, where))
     recomputed = torch.zeros(n, dtype=torch.bool, device=dev)

@@ -137,6 +137,8 @@ class EngineArgs(CliArgs):
     eviction_policy: str = option("lru", "which cached block to evict first", choices=("lru",))
     enable_kv_events: bool = option(False, cli=False)  # the server sets it: --kv-events-endpoint, replicas
     num_threads: int | None = option(None, "torch threads (default: torch's; a replica: its CPUs)", type=int)
+    adaptive_threads: bool = option(True, "CPU: run each step on the cores other processes leave free, at most "
+                                          "--num-threads (--no-adaptive-threads: always all of them)")
     segment_reuse: str = option("off", "reuse the KV of marked segments at any position (completions' "
                                        "`segments` field)", choices=SEGMENT_REUSE_MODES)
     blend_ratio: float = option(0.15, "blend: fraction of reused segment tokens recomputed")

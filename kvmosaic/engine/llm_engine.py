@@ -38,6 +38,7 @@ from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence
+from .threads import DEFAULT_THREADS, ThreadBudget
 
 logger = logging.getLogger("kvmosaic.engine")
 
@@ -103,6 +104,8 @@ class LLMEngine:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device = config.torch_device
+        self.threads = (ThreadBudget(config.num_threads or DEFAULT_THREADS)
+                        if config.adaptive_threads and self.device.type == "cpu" else None)
         bundle = load_model_bundle(config.model, config.dtype, str(self.device), config.quantization)
         self.model, self.tokenizer = bundle.model, bundle.tokenizer
         self.model_name, self.model_config = bundle.name, bundle.config
@@ -224,6 +227,8 @@ class LLMEngine:
         return self.outputs.make_output(seq, error=message, error_reason=reason)
 
     def _execute(self, sched: SchedulerOutput, failed: list | None = None) -> StepResult:
+        if self.threads is not None:
+            self.threads.update()
         copies = self.cache.take_pending_copies()
         if copies:
             self.kv.copy_blocks([(c.src, c.dst, c.num_tokens) for c in copies])

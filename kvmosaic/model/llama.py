@@ -4,6 +4,10 @@ writes its KV through the paged pool.
 Q/K/V and gate/up projections are fused into one weight each, so a layer is four GEMMs over
 the whole packed batch. Numerics follow Hugging Face's Llama (norms in float32, RoPE tables
 in float32), so float32 logits match transformers on the same weights.
+
+The layers pass the residual stream beside the sublayer output, as vLLM's models do, so that
+each RMSNorm adds the residual in the same pass (``model/kernels``, on a CPU with a C compiler;
+torch operators otherwise, with the same roundings).
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import kernels
 from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
 
@@ -22,9 +27,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """``norm(x)``; with ``residual``, ``norm(x + residual)``, the sum written into
+        ``residual`` in place (the stream the next sublayer adds to)."""
+        if x.dim() == 2 and kernels.elementwise_available(x) and self.weight.dtype == x.dtype:
+            return kernels.rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = residual.add_(x)
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
-            # One fused op, bit-identical to the general path below (checked in tests).
             return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
         h = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * h.to(x.dtype)
@@ -45,6 +55,26 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         return self.cos[positions].to(dtype)[:, None, :], self.signed_sin[positions].to(dtype)[:, None, :]
+
+
+class RopeAt:
+    """The rotary tables at one step's positions (float32 ``[T, D]``), applied to q and k."""
+
+    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
+        self.cos, self.signed_sin = cos, signed_sin
+
+    @classmethod
+    def at(cls, rotary: RotaryEmbedding, positions: torch.Tensor) -> RopeAt:
+        return cls(rotary.cos[positions], rotary.signed_sin[positions])
+
+    def select(self, index: torch.Tensor) -> RopeAt:
+        return RopeAt(self.cos[index], self.signed_sin[index])
+
+    def apply_(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` ``[T, heads, D]``; in place where the kernel runs (heads contiguous)."""
+        if kernels.elementwise_available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            return kernels.rope_(x, self.cos, self.signed_sin)
+        return apply_rope(x, self.cos.to(x.dtype)[:, None, :], self.signed_sin.to(x.dtype)[:, None, :])
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -74,25 +104,46 @@ class DecoderLayer(nn.Module):
         self.split_qk_v = (q + kv, kv)
         self.scale = cfg.head_dim**-0.5
 
-    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def qkv(self, h: torch.Tensor, rope: RopeAt):
         """Normed input -> rotated q ``[T, H, D]``, rotated k and v ``[T, Hkv, D]`` (q and k are
-        rotated together: one set of elementwise ops per layer, not two)."""
-        qk, v = self.qkv_proj(self.input_layernorm(x)).split(self.split_qk_v, dim=-1)
-        qk = apply_rope(qk.view(-1, self.num_heads + self.num_kv_heads, self.head_dim), cos, sin)
+        rotated together: one pass per layer, not two)."""
+        qkv = self.qkv_proj(h)
+        qk = rope.apply_(qkv[:, : self.split_qk_v[0]].view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
         q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
-        return q, k, v.view(-1, self.num_kv_heads, self.head_dim)
+        return q, k, qkv[:, self.split_qk_v[0] :].view(-1, self.num_kv_heads, self.head_dim)
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, and the SwiGLU MLP."""
-        x = x + self.o_proj(attn.flatten(1))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
-    def forward(self, x, cos, sin, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv(x, cos, sin)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeAt, kv: PagedKV,
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer over the residual stream: ``x`` is the previous layer's MLP output and
+        ``residual`` the stream before it (None at the first layer, where ``x`` is the stream
+        itself and becomes ``residual``, updated in place). Returns (MLP output, stream): the
+        hidden state is their sum."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        q, k, v = self.qkv(h, rope)
         kv.write(self.layer_idx, meta.slot_mapping, k, v)
         attn = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], meta, self.scale)
-        return self.finish(x, attn)
+        h = self.post_attention_layernorm(self.o_proj(attn.flatten(1)), residual)
+        return self.mlp(h), residual
+
+    def hidden(self, x: torch.Tensor, rope: RopeAt, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+        """The layer on a hidden state (``x`` left as it is): the layer-by-layer API of
+        segment reuse (``blend/forward.py``)."""
+        out, residual = self(x.clone(), None, rope, kv, meta)
+        return out + residual
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """From a layer's attention output to its hidden state, ``x`` being the layer's input
+        hidden state (left as it is)."""
+        residual = x.clone()
+        h = self.post_attention_layernorm(self.o_proj(attn.flatten(1)), residual)
+        return residual + self.mlp(h)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -143,9 +194,11 @@ class LlamaForCausalLM(nn.Module):
         """Run the packed batch; return logits only at ``logits_index`` (all tokens if None),
         which skips the vocabulary projection for every prompt token but the last."""
         x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(positions, x.dtype)
+        rope = RopeAt.at(self.rotary, positions)
+        residual = None
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, meta)
+            x, residual = layer(x, residual, rope, kv, meta)
+        x = x + residual
         if logits_index is not None:
             x = x.index_select(0, logits_index)
         return self.compute_logits(x)

@@ -1,8 +1,13 @@
 """CPU kernels written for kvmosaic, built on first use with the system's C compiler.
 
-Only what torch has no fast path for lives here: :func:`paged_decode_attention` reads a decode
-batch's K and V in place in the paged pool (``paged_decode.c``), where the torch path gathers
-every context into a padded copy and upcasts it to float32 (``model/attention.py``).
+Only what torch has no fast path for lives here:
+
+* :func:`paged_decode_attention` reads a decode batch's K and V in place in the paged pool
+  (``paged_decode.c``), where the torch path gathers every context into a padded copy and
+  upcasts it to float32 (``model/attention.py``);
+* :func:`rms_norm` (with the residual add) and :func:`rope_` do in one pass what takes torch
+  four to ten operator calls each (``elementwise.c``): at decode, with one token per sequence,
+  those calls' dispatch is a large part of the step. They round where torch rounds.
 
 The shared library is compiled once per source, compiler and CPU into
 ``$KVMOSAIC_KERNEL_CACHE`` (default ``~/.cache/kvmosaic/kernels``) in about a second, and
@@ -28,8 +33,11 @@ import torch
 
 log = logging.getLogger("kvmosaic")
 
-SOURCE = Path(__file__).with_name("paged_decode.c")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-ffp-contract=fast"]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.c", "elementwise.c")]
+HEADERS = [Path(__file__).with_name("bf16.h")]
+# No FMA contraction: a * b + c rounds the product as torch's separate operators do.
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+         "-ffp-contract=off"]
 MAX_GROUP, MAX_DIM = 16, 256  # as in paged_decode.c
 
 
@@ -49,15 +57,16 @@ def _build(compiler: str) -> Path:
     """The library for this source, compiler and CPU; built (atomically: parallel processes
     race harmlessly) when not cached yet."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode-{key}.so"
+    texts = [path.read_text() for path in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    target = _cache_dir() / f"kvmosaic-kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", str(built)], check=True, capture_output=True,
-                       text=True, timeout=120)
+        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], check=True, capture_output=True,
+                       text=True, timeout=300)
         os.replace(built, target)
     return target
 
@@ -76,10 +85,15 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("CPU kernel build failed, decode attention uses the torch path: %s", str(detail)[-500:])
         return None
-    fn = lib.paged_decode_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 5 + [
-        ctypes.c_float, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "paged_decode_attention": (i32, [ptr] * 3 + [i32] * 2 + [ptr] * 2 + [i64] * 5 + [f32, ptr, ptr, i32]),
+        "rms_norm": (None, [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32]),
+        "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32]),
+    }
+    for name, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     return lib if _agrees_with_torch(lib) else None
 
 
@@ -93,7 +107,7 @@ def _agrees_with_torch(lib: ctypes.CDLL) -> bool:
         q = torch.randn(3, 6, 64, generator=g).to(dtype)
         slots = torch.randperm(80, generator=g)[:60].view(3, 20)
         lens = torch.tensor([20, 7, 1])
-        out, lse = _call(lib, q, k, v, slots, lens, 0.125)
+        out, lse = _attention(lib, q, k, v, slots, lens, 0.125)
         for b in range(3):
             s = slots[b, : lens[b]]
             kb = k[s].float().transpose(0, 1).repeat_interleave(3, 0)  # [H, n, D]
@@ -107,7 +121,7 @@ def _agrees_with_torch(lib: ctypes.CDLL) -> bool:
     return True
 
 
-def _call(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+def _attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
           lens: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     batch, heads, dim = q.shape
     q_bf16_exact = int(q.dtype == torch.bfloat16)
@@ -137,4 +151,43 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """``q`` ``[B, H, D]`` attends the first ``lens[b]`` (>= 1) of ``slots[b]`` in the pool
     ``[num_slots, Hkv, D]``. Returns the output ``[B, H, D]`` and the log-sum-exp of the scaled
     scores ``[B, H]``, both float32. Call only where :func:`available` is True."""
-    return _call(_library(), q, k_cache, v_cache, slots, lens, scale)
+    return _attention(_library(), q, k_cache, v_cache, slots, lens, scale)
+
+
+def elementwise_available(x: torch.Tensor) -> bool:
+    """Whether :func:`rms_norm` and :func:`rope_` serve tensors like ``x``."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16) and _library() is not None
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """A 2-D view whose rows are contiguous (any row stride)."""
+    return t.dim() == 2 and t.stride(1) == 1
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm of the rows of ``x`` ``[rows, hidden]`` times ``weight`` (same dtype), as Hugging
+    Face's Llama computes it. With ``residual``, normalizes ``x + residual`` and writes that sum
+    into ``residual`` (in place: the residual stream the next sublayer adds to)."""
+    rows, hidden = x.shape
+    if not (_rows(x) and weight.is_contiguous() and weight.dtype == x.dtype and hidden <= 8192
+            and (residual is None or (_rows(residual) and residual.dtype == x.dtype))):
+        raise ValueError("rms_norm: unsupported layout")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _library().rms_norm(x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+                        0 if residual is None else residual.stride(0), weight.data_ptr(), out.data_ptr(), hidden,
+                        rows, hidden, eps, int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[tokens, heads, dim]`` (heads contiguous, any token stride) in place by the
+    float32 tables ``[tokens, dim]`` (see ``model/llama.py``'s ``RotaryEmbedding``). Returns ``x``."""
+    tokens, heads, dim = x.shape
+    if not (x.stride(2) == 1 and x.stride(1) == dim and dim <= 512 and cos.dtype == torch.float32
+            and cos.is_contiguous() and signed_sin.is_contiguous()):
+        raise ValueError("rope_: unsupported layout")
+    _library().rope(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), tokens, heads, dim,
+                    int(x.dtype == torch.bfloat16), torch.get_num_threads())
+    return x
+

@@ -12,40 +12,12 @@
  * resolves to the runtime torch has already loaded (libgomp.so.1), so torch.set_num_threads
  * and this kernel share one thread pool.
  */
-#include <stdint.h>
-#include <string.h>
-#include <math.h>
+#include "bf16.h"
 
 #define TILE 32
 #define MAX_GROUP 16
 #define MAX_DIM 256
 #define PREFETCH 16 /* tokens ahead */
-
-static inline float bf16_to_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
-
-/* exp(x) for x <= 0, relative error ~1e-7 (Cephes' polynomial); plain arithmetic, so the
- * compiler vectorizes it without -ffast-math. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
-    float two_n;
-    memcpy(&two_n, &bits, sizeof two_n);
-    return p * two_n;
-}
 
 static inline __attribute__((always_inline)) void load_row(const void *pool, int kv_bf16, int64_t offset,
                                                            const int64_t dim, float *dst) {
@@ -91,11 +63,11 @@ static inline __attribute__((always_inline)) void attend_one(
             float tile_max = m[r];
 #pragma omp simd reduction(max : tile_max)
             for (int64_t j = 0; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
-            const float correction = exp_nonpositive(m[r] - tile_max);
+            const float correction = exp_clamped(m[r] - tile_max);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < TILE; ++j) {
-                sr[j] = j < n ? exp_nonpositive(sr[j] - tile_max) : 0.0f;
+                sr[j] = j < n ? exp_clamped(sr[j] - tile_max) : 0.0f;
                 sum += sr[j];
             }
             l[r] = l[r] * correction + sum;
@@ -180,11 +152,11 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
             float tile_max = m[r];
 #pragma omp simd reduction(max : tile_max)
             for (int64_t j = 0; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
-            const float correction = exp_nonpositive(m[r] - tile_max);
+            const float correction = exp_clamped(m[r] - tile_max);
             float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
             for (int64_t j = 0; j < TILE; ++j) {
-                sr[j] = j < n ? exp_nonpositive(sr[j] - tile_max) : 0.0f;
+                sr[j] = j < n ? exp_clamped(sr[j] - tile_max) : 0.0f;
                 sum += sr[j];
             }
             l[r] = l[r] * correction + sum;

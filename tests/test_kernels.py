@@ -1,0 +1,104 @@
+"""The C kernels of ``model/kernels`` against the torch operators they replace: the same
+roundings in bfloat16, float32 within summation order, and the whole model's logits with the
+kernels on and off (the torch path is the fallback on machines without a compiler)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmosaic.model import kernels
+from kvmosaic.model.llama import RotaryEmbedding, apply_rope
+
+pytestmark = pytest.mark.skipif(not kernels.elementwise_available(torch.zeros(1)),
+                                reason="the CPU kernels are not built here (no C compiler)")
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def hf_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Hugging Face Llama's RMSNorm, written out."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_rms_norm_matches_transformers_numerics(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    weight = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    got, want = kernels.rms_norm(x, weight, 1e-5), hf_rms_norm(x, weight, 1e-5)
+    assert got.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-6)
+    else:  # the float32 statistics may differ in the last bit: at most one bfloat16 step, rarely
+        step = want.float().abs() * 2**-7
+        assert ((got.float() - want.float()).abs() <= step).all()
+        assert (got == want).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_adds_the_residual_in_place(dtype):
+    g = torch.Generator().manual_seed(1)
+    x, residual = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype)
+    weight = torch.rand(64, generator=g).to(dtype)
+    expected_sum = x + residual
+    stream = residual.clone()
+    got = kernels.rms_norm(x, weight, 1e-6, stream)
+    assert torch.equal(stream, expected_sum)
+    torch.testing.assert_close(got, kernels.rms_norm(expected_sum, weight, 1e-6), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_in_place_equals_torch_bit_for_bit(dtype):
+    """On a strided view like the one the model rotates (q and k inside the fused qkv output)."""
+    tokens, heads, kv_heads, dim = 7, 9, 3, 64
+    rotary = RotaryEmbedding(dim, 10000.0, 4096)
+    pos = torch.tensor([0, 1, 2, 500, 501, 4000, 4095])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    cos, sin = rotary(pos, dtype)
+    want = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+    view = qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim)
+    got = kernels.rope_(view, rotary.cos[pos], rotary.signed_sin[pos])
+    assert got.data_ptr() == view.data_ptr()
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_model_logits_with_and_without_the_kernels(dtype, monkeypatch):
+    """The shipped model's logits over a prefill and a batched decode, kernels on against the
+    torch operators; float32 within summation order, bfloat16 within its rounding."""
+    from kvmosaic.kv.paged import PagedKVCache
+    from kvmosaic.model import load_model_bundle
+    from kvmosaic.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
+
+    bundle = load_model_bundle(None, "float32" if dtype == torch.float32 else "bfloat16", "cpu")
+    ids = torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        kv = PagedKVCache(bundle.config, 8, 16, dtype)
+        slots = torch.arange(40)
+        prefill = bundle.model(ids, torch.arange(40), kv, AttentionMetadata(slots, [PrefillSpan(0, 40, slots, None)]))
+        ctx = [torch.arange(20), torch.arange(41)]  # two decodes over the prefill's KV
+        kv.k[0][40], kv.v[0][40] = kv.k[0][39], kv.v[0][39]
+        lens = torch.tensor([20, 41])
+        padded = torch.nn.utils.rnn.pad_sequence(ctx, batch_first=True)
+        mask = (torch.arange(41)[None, :] < lens[:, None])[:, None, None, :]
+        decode = DecodeBatch(torch.arange(2), padded, mask, [], lens)
+        logits = bundle.model(ids[[19, 39]], torch.tensor([19, 40]), kv,
+                              AttentionMetadata(torch.tensor([60, 40]), [], decode))
+        return prefill, logits
+
+    on = run()
+    monkeypatch.setattr(kernels, "elementwise_available", lambda x: False)
+    monkeypatch.setattr(kernels, "available", lambda q, k: False)
+    off = run()
+    # bfloat16 logits of 16-32 are multiples of 0.125; one rounding that falls the other way
+    # (float32 summation order) moves a few of them by a few steps after 30 layers
+    tol = 1e-4 if dtype == torch.float32 else 1.0
+    for a, b in zip(on, off):
+        assert (a - b).abs().max().item() < tol
+        assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
+    assert F.cosine_similarity(on[0], off[0], dim=-1).min() > 0.999
