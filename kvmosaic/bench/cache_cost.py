@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli import load_tokenizer
+from ..server.tokenizer import tokenizer_for
 from .peers import PeerSettings
 from .runner import run_workload, warm_up
 from .worker import PeerProcess
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     on, off = f"kvmosaic-{args.cache}", "kvmosaic-none"
     settings = PeerSettings(dtype=args.dtype, threads=args.threads)
-    tokenizer = load_tokenizer(None)
+    tokenizer = tokenizer_for(None)
     workload = build("no-reuse", 0, args.quick)
     peers = {n: PeerProcess(n, settings) for n in (on, off)}
     started = time.time()

@@ -16,6 +16,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..server.tokenizer import tokenizer_for
 from . import plots, report
 from .benchmarks_md import publish
 from .machine import describe
@@ -62,14 +63,6 @@ def command_line(args: argparse.Namespace) -> str:
     parts += ["--out", args.out] if args.out != "results" else []
     parts += ["--benchmarks-md", args.benchmarks_md] if args.benchmarks_md else []
     return " ".join(parts)
-
-
-def load_tokenizer(model: str | None):
-    from kvmosaic.model.loader import shipped_model_path
-    from kvmosaic.model.tokenizer import load_tokenizer as load
-
-    path = Path(model or shipped_model_path())
-    return load(str(path.parent), path.name) if path.is_file() else load(str(path), None)
 
 
 def start_peers(names: list[str], settings: PeerSettings, skipped: list[str]) -> dict[str, PeerProcess]:
@@ -120,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     workloads = [build(w, args.seed, args.quick) for w in (BUILDERS if args.workload == "all" else [args.workload])]
     settings = PeerSettings(dtype=args.dtype, threads=args.threads, model_path=args.model)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = tokenizer_for(args.model)
     started = time.time()
     peers = start_peers(names, settings, skipped)
     try:

@@ -32,6 +32,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..server.tokenizer import tokenizer_for
 from .machine import describe
 from .serve_client import PoolSampler, RequestResult, one_request, run_level
 from .serve_peers import (  # re-exported (__all__)
@@ -103,8 +104,6 @@ def command_line(args: argparse.Namespace, peers: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import load_tokenizer
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = QUICK if args.quick else FULL
@@ -126,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
             skipped.append(reason)
         else:
             names.append(name)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = tokenizer_for(args.model)
     levels: list[tuple[str, float]] = [("closed", c) for c in sizes.concurrency] + [("poisson", r) for r in args.rate]
     plan = []  # (workload, mode, level, messages, prompt token estimates)
     for wl in workloads:
