@@ -2,8 +2,8 @@
 without a model (every scheduled sequence that has computed its prompt emits token 7).
 
 Hit rates and admission order do not depend on KV values, so scheduling policies (LPM vs FCFS,
-one computation per shared prefix in flight) are checked here in seconds; ``benchmarks/
-radix_figures.py --only lpm`` draws its figure with the same driver.
+one computation per shared prefix in flight) are checked here in seconds;
+``python -m benchmarks.radix_figures --only lpm`` draws its figure with the same driver.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ class SchedRun:
 
 def simulate(prompts: list[list[int]], backend: str, policy: str, num_blocks: int,
              max_num_seqs: int = 4, max_tokens: int = 8, budget: int = 512) -> SchedRun:
-    """Run the real scheduler and cache manager; the "model" emits token 7 per step."""
+    """Run the real scheduler and cache manager to the end of every request; the "model" emits
+    token 7 per step. Raises if it has not ended after 100,000 steps."""
     mgr = make_manager(backend, num_blocks)
     sched = Scheduler(SchedulerConfig(budget, max_num_seqs, 1 << 16, policy), mgr)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
