@@ -72,6 +72,12 @@ def test_roofline_is_measured_at_the_threads_asked_and_restores_them():
     assert "GEMM peak at 1 thread(s)" in r.lines()[0] and "GB/s" in r.lines()[1]
 
 
+def test_roofline_without_readable_model_shapes_keeps_the_square_peak(tmp_path):
+    r = measure(1, model=str(tmp_path), quick=True)  # a folder with no config.json
+    assert r.gemm_model_gflops == {} and r.gemm_gflops == r.gemm_square_gflops
+    assert "model shapes – (not read)" in r.lines()[0]
+
+
 def test_bench_roofline_writes_bench_json_and_keeps_its_other_entries(tmp_path, capsys):
     from kvmosaic.cli import main
 

@@ -29,7 +29,7 @@ class Roofline:
     threads: int
     gemm_gflops: dict[str, float]  # dtype -> peak (the better of square and model shapes)
     gemm_square_gflops: dict[str, float]
-    gemm_model_gflops: dict[str, float]
+    gemm_model_gflops: dict[str, float]  # empty when the model's shapes could not be read
     read_gbs: float
     copy_gbs: float
     square: int
@@ -37,8 +37,11 @@ class Roofline:
     buffer_mb: int
 
     def lines(self) -> list[str]:
+        def shapes(d: str) -> str:
+            return f"{self.gemm_model_gflops[d]:,.0f}" if d in self.gemm_model_gflops else "– (not read)"
+
         gemm = ", ".join(f"{d} {self.gemm_gflops[d]:,.0f} GFLOP/s (square {self.gemm_square_gflops[d]:,.0f}, "
-                         f"model shapes {self.gemm_model_gflops[d]:,.0f})" for d in self.gemm_gflops)
+                         f"model shapes {shapes(d)})" for d in self.gemm_gflops)
         return [f"GEMM peak at {self.threads} thread(s): {gemm}",
                 f"memory bandwidth: read {self.read_gbs:,.1f} GB/s, copy {self.copy_gbs:,.1f} GB/s "
                 f"({self.buffer_mb} MB buffers)"]
@@ -94,7 +97,8 @@ def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:
 
 
 def measure(threads: int | None, model: str | None = None, quick: bool = False) -> Roofline:
-    """The roofline at ``threads`` torch threads (None: all cores)."""
+    """The roofline at ``threads`` torch threads (None: all cores); the model-shape GEMMs are left
+    out (and said so) when ``model``'s files cannot be read."""
     import os
 
     import torch
@@ -103,14 +107,17 @@ def measure(threads: int | None, model: str | None = None, quick: bool = False) 
     before = torch.get_num_threads()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
-        layer = [(tokens, k, n) for k, n in model_shapes(model)]
+        try:
+            layer = [(tokens, k, n) for k, n in model_shapes(model)]
+        except (OSError, ValueError, KeyError):
+            layer = []
         sq = {d: gemm_gflops(d, [(square, square, square)], repeats) for d in DTYPES}
-        md = {d: gemm_gflops(d, layer, repeats) for d in DTYPES}
+        md = {d: gemm_gflops(d, layer, repeats) for d in DTYPES} if layer else {}
         read, copy = bandwidth_gbs(buffer_mb, repeats)
         used = torch.get_num_threads()
     finally:
         torch.set_num_threads(before)
-    return Roofline(used, {d: max(sq[d], md[d]) for d in DTYPES}, sq, md, read, copy, square, tokens, buffer_mb)
+    return Roofline(used, {d: max(sq[d], md.get(d, 0.0)) for d in DTYPES}, sq, md, read, copy, square, tokens, buffer_mb)
 
 
 def write(out: Path, roofline: Roofline, header: dict) -> Path:

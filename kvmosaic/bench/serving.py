@@ -145,6 +145,11 @@ def run(args: argparse.Namespace) -> int:
     roofline = measure_roofline(args.threads, args.model, args.quick)
     for line in roofline.lines():
         print(line, flush=True)
+    try:
+        size = model_size(args.model)
+    except (OSError, ValueError, KeyError) as err:  # a model whose files this reader does not know
+        size = None
+        skipped.append(f"machine shares: the model's parameter count could not be read ({err})")
     rows: list[LevelResult] = []
     peer_times: dict[str, float] = {}
     for name in names:
@@ -193,9 +198,9 @@ def run(args: argparse.Namespace) -> int:
         "wall time": f"{time.time() - started:.0f} s ("
                      + ", ".join(f"{n} {t:.0f} s" for n, t in peer_times.items()) + ", server start included)",
     }
-    machine = shares(rows, roofline, model_size(args.model), args.dtype)
+    machine = shares(rows, roofline, size, args.dtype) if size else []
     md = render(rows, header, skipped, [p.name for p in pngs], reference,
-                machine=share_table(machine, roofline, args.dtype))
+                machine=share_table(machine, roofline, args.dtype) if size else "")
     (out / "serve.md").write_text(md)
     (out / "serve.json").write_text(json.dumps({"header": header, "skipped": skipped,
                                                 "rows": [asdict(r) for r in rows], "roofline": asdict(roofline),
