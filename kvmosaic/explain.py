@@ -245,16 +245,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="the serving engine's --quantization (names its blocks, with --kv-tier)")
 
 
-def load_tokenizer_only(model: str | None):
-    from .model.loader import shipped_model_path
-    from .model.tokenizer import load_tokenizer
-
-    path = Path(model or shipped_model_path())
-    if path.is_file():
-        return load_tokenizer(str(path.parent), path.name)
-    return load_tokenizer(str(path), None)
-
-
 def _opt(values: list[str], i: int) -> str | None:
     v = values[min(i, len(values) - 1)] if values else None
     return None if v in (None, "-") else v
@@ -265,7 +255,9 @@ def run(args: argparse.Namespace) -> int:
     if not tiers_only and (len(args.prompts) > 2 or (len(args.prompts) == 1) == (args.against is None)):
         print("give two prompts, one prompt and --against FILE, or one prompt and --kv-tier SPEC")
         return 2
-    tok = load_tokenizer_only(args.model)
+    from .server.tokenizer import tokenizer_for
+
+    tok = tokenizer_for(args.model)
 
     def encode(text: str, i: int, salt: str | None = None, adapter: str | None = None) -> Prompt:
         ids = tok.encode(text, add_special_tokens=False)

@@ -101,6 +101,8 @@ def test_bench_serve_tiny_run_against_one_kvmosaic_server(tmp_path):
     assert row["completion_tokens"] == 6 and row["ttft_p50"] > 0 and row["total_tps"] > 0
     assert row["num_blocks"] and row["blocks_used_peak"] >= 1
     assert "| shared-prefix | kvmosaic-hash | c=2 |" in (tmp_path / "serve.md").read_text()
+    # The roofline is measured at the start of every run; shares need a c=1 no-reuse level.
+    assert data["roofline"]["read_gbs"] > 0 and data["machine_share"] == []
     for png in ("serve_throughput.png", "serve_ttft.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 

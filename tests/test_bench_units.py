@@ -90,7 +90,7 @@ def test_unknown_peer_and_reference():
 
 
 def test_rag_reorder_quality_workload():
-    from kvmosaic.bench import blend_quality as bq
+    from benchmarks import blend_quality as bq
 
     reqs = bq.requests(20)
     for prompt, answer in reqs:
@@ -104,7 +104,7 @@ def test_rag_reorder_quality_workload():
 
 
 def test_kl_of_log_probabilities():
-    from kvmosaic.bench.blend_quality import kl
+    from benchmarks.blend_quality import kl
 
     p = torch.log_softmax(torch.randn(4, 50), -1)
     q = torch.log_softmax(torch.randn(4, 50), -1)

@@ -1,14 +1,13 @@
 """Cache-aware scheduling: LPM ordering raises the hit rate under cache pressure on a
 multi-tenant workload, and its starvation bound holds. Model-free: the real Scheduler and
-cache managers, driven by the step loop of ``kvmosaic.bench.radix_figures.simulate``."""
+cache managers, driven by the step loop of ``tests/sched_sim.py``."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
-
-from kvmosaic.bench.radix_figures import multi_tenant, simulate
+from sched_sim import multi_tenant, simulate
 
 
 @pytest.mark.parametrize("backend", ["hash", "radix"])

@@ -6,8 +6,8 @@ from __future__ import annotations
 import random
 
 import pytest
+from sched_sim import simulate
 
-from kvmosaic.bench.radix_figures import simulate
 from kvmosaic.engine.sampling_params import SamplingParams
 
 PREFIX, SUFFIX, BURST = 800, 12, 16

@@ -243,3 +243,16 @@ def test_the_schema_caps_lengths_so_validation_is_bounded():
     assert e.param == "stop"
     ok = decode_and_validate(b'{"prompt": "x", "stop": ["a", "b"], "stop_token_ids": [1, 2]}', CompletionRequest)
     assert ok.stop_list == ["a", "b"] and ok.stop_token_ids == [1, 2]
+
+
+def test_tokenizer_for_reads_the_models_own_tokenizer_once_per_argument():
+    """One map from ``--model`` to a tokenizer outside the engine (front, explain, benchmarks): the
+    shipped GGUF's ChatML ids, the same object for None and again for None."""
+    from kvmosaic.model.loader import shipped_model_path
+    from kvmosaic.server.tokenizer import tokenizer_for
+
+    tok = tokenizer_for(None)
+    assert tok.encode("<|im_start|><|im_end|>", add_special_tokens=False) == [1, 2]
+    assert tokenizer_for(None) is tok
+    by_path = tokenizer_for(shipped_model_path())
+    assert by_path.encode("Hello there", add_special_tokens=False) == tok.encode("Hello there", add_special_tokens=False)

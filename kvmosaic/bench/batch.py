@@ -17,6 +17,7 @@ import random
 import time
 from pathlib import Path
 
+from ..server.tokenizer import tokenizer_for
 from . import text
 from .machine import describe
 from .peers import PeerSettings, unavailable_reason
@@ -54,13 +55,11 @@ def step_summary(steps: list[dict] | None) -> dict | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import load_tokenizer
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     n = 4 if args.quick else 16
     words, max_tokens = (60, 4) if args.quick else (750, args.max_tokens or 32)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = tokenizer_for(args.model)
     prompts = batch_prompts(tokenizer, n, words, args.seed)
     names = [p.strip() for p in (args.peers if args.peers_given else ",".join(BATCH_PEERS)).split(",") if p.strip()]
     skipped, results = [], []

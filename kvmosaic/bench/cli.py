@@ -1,7 +1,8 @@
 """``kvmosaic bench WORKLOAD [--peers ...] [--quick] [--seed N] [--out results/]``, and
 ``kvmosaic bench serve [--concurrency 1,4,16,32] [--rate R]``: the serving benchmark of
 :mod:`.serving` (HTTP servers driven by openai clients); ``kvmosaic bench scale``: one server
-against replicas on the same cores (:mod:`.scale`).
+against replicas on the same cores (:mod:`.scale`); ``kvmosaic bench roofline``: this machine's
+GEMM peak and memory bandwidth (:mod:`.roofline`).
 
 Runs the workloads of docs/ARCHITECTURE.md on kvmosaic and its peers (each in its own worker process,
 loaded once, requests interleaved), prints a markdown table and writes it, a JSON dump of every
@@ -16,6 +17,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..server.tokenizer import tokenizer_for
 from . import plots, report
 from .benchmarks_md import publish
 from .machine import describe
@@ -31,9 +33,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from .scale import add_scale_arguments
     from .serving import SERVE_PEERS, add_serve_arguments
 
-    p.add_argument("workload", choices=[*BUILDERS, "all", "serve", "batch-16", "scale"],
+    p.add_argument("workload", choices=[*BUILDERS, "all", "serve", "batch-16", "scale", "roofline"],
                    help="a benchmark workload (docs/ARCHITECTURE.md), all, serve (the serving benchmark), batch-16 "
-                        "(16 shared-prefix prompts submitted together) or scale (one server vs replicas)")
+                        "(16 shared-prefix prompts submitted together), scale (one server vs replicas) or roofline (this "
+                        "machine's GEMM peak per dtype and memory bandwidth at --threads)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, from: {', '.join(ALL_PEERS)} (default: all but kvmosaic-hash-int8; with --quick: "
                         f"{', '.join(QUICK_PEERS)}); "
@@ -64,14 +67,6 @@ def command_line(args: argparse.Namespace) -> str:
     return " ".join(parts)
 
 
-def load_tokenizer(model: str | None):
-    from kvmosaic.model.loader import shipped_model_path
-    from kvmosaic.model.tokenizer import load_tokenizer as load
-
-    path = Path(model or shipped_model_path())
-    return load(str(path.parent), path.name) if path.is_file() else load(str(path), None)
-
-
 def start_peers(names: list[str], settings: PeerSettings, skipped: list[str]) -> dict[str, PeerProcess]:
     procs = {n: PeerProcess(n, settings) for n in names}
     ready = {}
@@ -98,6 +93,10 @@ def run(args: argparse.Namespace) -> int:
         from .batch import run as run_batch
 
         return run_batch(args)
+    if args.workload == "roofline":
+        from .roofline import run as run_roofline
+
+        return run_roofline(args)
     if args.workload == "scale":
         from .scale import run as run_scale
 
@@ -120,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     workloads = [build(w, args.seed, args.quick) for w in (BUILDERS if args.workload == "all" else [args.workload])]
     settings = PeerSettings(dtype=args.dtype, threads=args.threads, model_path=args.model)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = tokenizer_for(args.model)
     started = time.time()
     peers = start_peers(names, settings, skipped)
     try:

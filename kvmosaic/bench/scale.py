@@ -11,7 +11,7 @@ Configurations (each ``kvmosaic serve`` as a child process, started one at a tim
 
 The single server (and ``1x front``) gets as many KV blocks as the two replicas together.
 Workloads: ``shared-prefix`` (:mod:`.serve_workloads`: one long system prompt, short distinct
-questions) and ``multi-tenant`` (:mod:`.replicas`: ``--tenants`` distinct system prompts in a seeded
+questions) and ``multi-tenant`` (:mod:`.tenant_workload`: ``--tenants`` distinct system prompts in a seeded
 random order, each replica's pool holding about ``--pool-tenants`` of them). Every (workload,
 concurrency) has prompts of its own; every configuration gets the same prompts.
 
@@ -31,7 +31,7 @@ from dataclasses import asdict
 from pathlib import Path
 from types import SimpleNamespace
 
-from . import replicas
+from . import tenant_workload
 from .machine import describe
 from .serve_client import run_level
 from .serve_report import LevelResult, format_ms, load_label, summarize_level
@@ -115,8 +115,8 @@ def plan(args: argparse.Namespace, sizes: ServeSizes, system_tokens: int) -> lis
     for c in sizes.concurrency:
         n = max(sizes.requests, c)
         out.append(("shared-prefix", c, serve_requests("shared-prefix", n, sizes, args.seed, f"scale-c{c}")))
-        systems = [f"[c={c}] {s}" for s in replicas.tenants(args.tenants, system_tokens, args.seed + c)]
-        out.append(("multi-tenant", c, replicas.conversations(systems, replicas.schedule(n, args.tenants, args.seed))))
+        systems = [f"[c={c}] {s}" for s in tenant_workload.tenants(args.tenants, system_tokens, args.seed + c)]
+        out.append(("multi-tenant", c, tenant_workload.conversations(systems, tenant_workload.schedule(n, args.tenants, args.seed))))
     return out
 
 
@@ -158,8 +158,8 @@ def run(args: argparse.Namespace) -> int:
                        requests=args.requests or (4 if args.quick else 16),
                        concurrency=tuple(int(c) for c in args.concurrency.split(",")) if args.concurrency else (1, 4))
     system_tokens = args.system_tokens or (120 if args.quick else 1000)
-    sys_tok = max(replicas.measure_tokens(s) for s in replicas.tenants(args.tenants, system_tokens, args.seed))
-    blocks = replicas.pool_blocks(sys_tok, args.pool_tenants)
+    sys_tok = max(tenant_workload.measure_tokens(s) for s in tenant_workload.tenants(args.tenants, system_tokens, args.seed))
+    blocks = tenant_workload.pool_blocks(sys_tok, args.pool_tenants)
     work = plan(args, sizes, system_tokens)
     started = time.time()
     print(f"machine: {describe()}", flush=True)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from .serving import ServerPeer
+    from .serve_peers import ServerPeer
 
 
 @dataclass

@@ -157,11 +157,14 @@ DEFINITIONS = """\
 
 
 def render(rows: list[LevelResult], header: dict[str, str], skipped: list[str], plots: list[str],
-           reference: str = "kvmosaic-hash") -> str:
+           reference: str = "kvmosaic-hash", machine: str = "") -> str:
+    """The report; ``machine``: the "at X% of the machine" section (:mod:`.machine_share`), if any."""
     parts = ["# kvmosaic bench serve", ""]
     parts += [f"- {k}: {v}" for k, v in header.items()]
     parts += [f"- skipped: {s}" for s in skipped]
-    parts += ["", table(rows, reference), "", "## Definitions", "", DEFINITIONS, POOL_NOTE, ""]
+    parts += ["", table(rows, reference), ""]
+    parts += [machine, ""] if machine else []
+    parts += ["## Definitions", "", DEFINITIONS, POOL_NOTE, ""]
     parts += [f"![{p}]({p})" for p in plots]
     return "\n".join(parts) + "\n"
 

@@ -5,6 +5,8 @@ request, then driven by the official ``openai`` ``AsyncOpenAI`` client, streamin
 
 - closed loop at each ``--concurrency`` level (N clients, each sends its next request when its
   previous one has finished), and, with ``--rate``, open loop with Poisson arrivals;
+- the machine's roofline (:mod:`.roofline`) measured first, at the peers' threads, and each peer's
+  prefill and decode at c=1 of no-reuse as fractions of it (:mod:`.machine_share`);
 - workloads: ``shared-prefix`` (chat requests sharing one ~800-token system prompt, distinct short
   questions) and ``no-reuse`` (chat requests of about the same length with nothing in common).
 
@@ -32,7 +34,12 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+from ..server.tokenizer import tokenizer_for
 from .machine import describe
+from .machine_share import shares
+from .machine_share import table as share_table
+from .model_size import model_size
+from .roofline import measure as measure_roofline
 from .serve_client import PoolSampler, RequestResult, one_request, run_level
 from .serve_peers import (  # re-exported (__all__)
     DEFAULT_SERVE_PEERS,
@@ -103,8 +110,6 @@ def command_line(args: argparse.Namespace, peers: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from .cli import load_tokenizer
-
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     base = QUICK if args.quick else FULL
@@ -126,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
             skipped.append(reason)
         else:
             names.append(name)
-    tokenizer = load_tokenizer(args.model)
+    tokenizer = tokenizer_for(args.model)
     levels: list[tuple[str, float]] = [("closed", c) for c in sizes.concurrency] + [("poisson", r) for r in args.rate]
     plan = []  # (workload, mode, level, messages, prompt token estimates)
     for wl in workloads:
@@ -136,6 +141,15 @@ def run(args: argparse.Namespace) -> int:
             lens = [prompt_tokens(tokenizer, c) for c in convs]
             plan.append((wl, mode, level, convs, lens))
     started = time.time()
+    # The machine's ceilings, measured once before any server starts, with the peers' threads.
+    roofline = measure_roofline(args.threads, args.model, args.quick)
+    for line in roofline.lines():
+        print(line, flush=True)
+    try:
+        size = model_size(args.model)
+    except (OSError, ValueError, KeyError) as err:  # a model whose files this reader does not know
+        size = None
+        skipped.append(f"machine shares: the model's parameter count could not be read ({err})")
     rows: list[LevelResult] = []
     peer_times: dict[str, float] = {}
     for name in names:
@@ -184,10 +198,13 @@ def run(args: argparse.Namespace) -> int:
         "wall time": f"{time.time() - started:.0f} s ("
                      + ", ".join(f"{n} {t:.0f} s" for n, t in peer_times.items()) + ", server start included)",
     }
-    md = render(rows, header, skipped, [p.name for p in pngs], reference)
+    machine = shares(rows, roofline, size, args.dtype) if size else []
+    md = render(rows, header, skipped, [p.name for p in pngs], reference,
+                machine=share_table(machine, roofline, args.dtype) if size else "")
     (out / "serve.md").write_text(md)
     (out / "serve.json").write_text(json.dumps({"header": header, "skipped": skipped,
-                                                "rows": [asdict(r) for r in rows]}, indent=1))
+                                                "rows": [asdict(r) for r in rows], "roofline": asdict(roofline),
+                                                "machine_share": [asdict(m) for m in machine]}, indent=1))
     print(md)
     print(f"wrote {out}/serve.md, serve.json" + "".join(f", {p.name}" for p in pngs))
     return 0 if rows else 1

@@ -18,7 +18,7 @@ machines, so hashes can name blocks in a shared tier or be recomputed by a route
 * ``sha256`` (default): SHA-256 over a fixed-width encoding — the parent hash, each token id
   as 8 little-endian bytes, then the extra keys as canonical CBOR when there are any. A full
   block has ``block_size`` tokens (in the seed), so the encoding is unambiguous; no per-block
-  CBOR of the tokens makes it ~4x faster than ``sha256_cbor`` (``python -m kvmosaic.bench.hashing``);
+  CBOR of the tokens makes it ~4x faster than ``sha256_cbor`` (``python -m benchmarks.hashing``);
 * ``sha256_cbor``: SHA-256 over canonical CBOR of ``(parent, tokens, extra)``, vLLM's encoding;
 * ``xxh3_128``: the fixed-width encoding under xxh3 (not cryptographic: use it where no tenant
   can choose colliding prompts, or with ``verify_tokens``).

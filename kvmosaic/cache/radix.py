@@ -28,7 +28,7 @@ from .manager import CacheRequest, CacheSizeInfo, KVCacheManager, MatchResult, P
 from .radix_tree import RadixNode, RadixTree
 
 # Below this many tokens a partial block is recomputed rather than copied. Measured with
-# ``python -m kvmosaic.bench.radix_figures --only cow`` (float32, 2 shared CPU cores): one
+# ``python -m benchmarks.radix_figures --only cow`` (float32, 2 shared CPU cores): one
 # block copy (30 layers) takes ~0.1 ms, one more prefill token ~3-60 ms, so copying pays
 # from the first token. Raise it where a copy is dear relative to compute (e.g. a KV pool
 # in a slower tier).

@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -39,22 +38,13 @@ from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ..router.prompt_hashes import prompt_token_ids
 from ..server.drain import Drain
 from ..server.errors import error_body
+from ..server.tokenizer import tokenizer_for
 from . import state as serve_state
 
 log = logging.getLogger("kvmosaic.serve")
 REPLICA_GONE = (ActorDiedError, ActorUnavailableError, RayActorError)
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 DROPPED_HEADERS = ("content-length", "transfer-encoding", "connection", "date", "server")
-
-
-def load_tokenizer_for(model: str | None):
-    from ..model.loader import shipped_model_path
-    from ..model.tokenizer import load_tokenizer
-
-    path = model or shipped_model_path()
-    if os.path.isfile(path):
-        return load_tokenizer(os.path.dirname(path), os.path.basename(path))
-    return load_tokenizer(path, None)
 
 
 def sse(data: dict | str) -> bytes:
@@ -99,7 +89,7 @@ class OpenAIIngress:
         self.args = server_args
         self.tenants = server_args.tenant_policy()
         self.drain = Drain(server_args.shutdown_timeout)
-        self.tokenizer = load_tokenizer_for(engine_args.model)
+        self.tokenizer = tokenizer_for(engine_args.model)
 
     def __serve_build_asgi_app__(self):
         from .front import build_front

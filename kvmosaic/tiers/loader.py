@@ -33,7 +33,7 @@ class TierLoader:
         self.failed_loads = 0
         self._lock = threading.Lock()
         # A few workers: a disk read or a Redis round trip waits on I/O with the GIL released,
-        # so a request's blocks load side by side (measured: python -m kvmosaic.bench.tiers).
+        # so a request's blocks load side by side (measured: python -m benchmarks.tiers).
         self._pool = cf.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvmosaic-tier-load")
 
     def submit(self, key: bytes, expected: BlockMeta, tier: int | None = None,

@@ -7,7 +7,7 @@
    GGUF weights and dtype.
 
 Runs are interleaved (A B A B ...) and medians reported, so machine drift cancels in ratios.
-Run: ``python -m kvmosaic.bench.core_figures`` (``--quick`` for a smoke run).
+Run: ``python -m benchmarks.core_figures`` (``--quick`` for a smoke run).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import warnings
 
 import torch
 
-from ..engine import LLM, SamplingParams
-from ..model.loader import shipped_model_path
+from kvmosaic.engine import LLM, SamplingParams
+from kvmosaic.model.loader import shipped_model_path
 
 
 def random_prompt(rng: random.Random, n: int) -> list[int]:

@@ -1,6 +1,6 @@
 """Issue 13 figures: what the tenancy modes leak and what they cost.
 
-``python -m kvmosaic.bench.tenancy`` prints a markdown table of
+``python -m benchmarks.tenancy`` prints a markdown table of
 
 * **attacker AUC in shared-public mode** (and, with ``--audit-modes shared-public,shared``, in
   shared mode for contrast): ``kvmosaic audit`` against a real ``kvmosaic serve --tenancy
@@ -40,8 +40,8 @@ def _ids(rng: random.Random, n: int) -> list[int]:
 
 # ---- audit against a real server ------------------------------------------------------------
 def audit(mode: str, public_ids: list[int], lengths: list[int], probes: int, threads: int, seed: int) -> list:
-    from ..audit import Auditor
-    from ..server.launch import ServerProcess
+    from kvmosaic.audit import Auditor
+    from kvmosaic.server.launch import ServerProcess
 
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
         f.write(PUBLIC_TEXT + "\n")
@@ -67,7 +67,7 @@ def _processed(engine, policy, public, ids: list[int], tenant: str):
 
 def _run(engine, prompts: list[tuple[str, list[int]]], policy, public, max_tokens: int) -> tuple[int, float]:
     """All prompts queued at once; returns (prefix-cache hit tokens, wall seconds)."""
-    from ..engine.sampling_params import SamplingParams
+    from kvmosaic.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     engine.reset_prefix_cache()
@@ -93,7 +93,7 @@ def private_workload(rng: random.Random, tenants: int, per_tenant: int, prompt: 
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m kvmosaic.bench.tenancy", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tenancy", description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", default="16,64,256")
     p.add_argument("--probes", type=int, default=40, help="audit probes per arm and length")
     p.add_argument("--audit-modes", default="shared-public", help="comma-separated; '' skips the audit")
@@ -105,8 +105,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
 
-    from ..engine.llm_engine import LLMEngine
-    from ..server.tenancy import TenantPolicy, build_public_prefixes
+    from kvmosaic.engine.llm_engine import LLMEngine
+    from kvmosaic.server.tenancy import TenantPolicy, build_public_prefixes
 
     engine = LLMEngine(dtype="float32", device="cpu", max_model_len=1024, num_threads=args.threads)
     public = build_public_prefixes(engine, [PUBLIC_TEXT], [])

@@ -4,7 +4,7 @@ B requests share a ``--prefix``-token prompt head (a system prompt) and have dis
 tails; after their prefills, decode steps are timed. With cascade attention the prefix's KV is
 read once per layer for all B queries; without it, once per request (model/attention.py).
 Two engines on the same weights, timed in alternating rounds so machine drift cancels in the
-ratio. Run: ``python -m kvmosaic.bench.cascade`` (``--quick`` for a smoke run).
+ratio. Run: ``python -m benchmarks.cascade`` (``--quick`` for a smoke run).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import random
 import statistics
 import time
 
-from ..engine import LLM, SamplingParams
+from kvmosaic.engine import LLM, SamplingParams
 
 
 def decode_step_ms(llm: LLM, prompts: list[list[int]], steps: int) -> float:

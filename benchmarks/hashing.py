@@ -1,6 +1,6 @@
 """Chain hashing of one long prompt: kvmosaic's hash functions against vLLM's own, side by side.
 
-``python -m kvmosaic.bench.hashing [--vllm-wheel PATH] [--tokens 32768]``
+``python -m benchmarks.hashing [--vllm-wheel PATH] [--tokens 32768]``
 
 vLLM's code is run as it ships, never copied: ``vllm/utils/hashing.py`` (its ``sha256_cbor``
 and pickle ``sha256``) and ``hash_block_tokens`` from ``vllm/v1/core/kv_cache_utils.py`` are
@@ -22,7 +22,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
-from ..cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed
+from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed
 
 VLLM_FILES = ("vllm/utils/hashing.py", "vllm/v1/core/kv_cache_utils.py")
 
@@ -66,7 +66,7 @@ def best_ms(fn: Callable[[], object], repeats: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmosaic.bench.hashing", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hashing", description=__doc__.splitlines()[0])
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=15)

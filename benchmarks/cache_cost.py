@@ -1,4 +1,4 @@
-"""The cost of the prefix cache when nothing hits, with its spread: ``python -m kvmosaic.bench.cache_cost``.
+"""The cost of the prefix cache when nothing hits, with its spread: ``python -m benchmarks.cache_cost``.
 
 Runs the no-reuse workload ``--rounds`` times on kvmosaic with the cache on (``--cache``, default
 hash) and off (none), each in its own worker, requests interleaved (on, off; then off, on, ...) and
@@ -15,11 +15,11 @@ from pathlib import Path
 
 import numpy as np
 
-from .cli import load_tokenizer
-from .peers import PeerSettings
-from .runner import run_workload, warm_up
-from .worker import PeerProcess
-from .workloads import build
+from kvmosaic.bench.peers import PeerSettings
+from kvmosaic.bench.runner import run_workload, warm_up
+from kvmosaic.bench.worker import PeerProcess
+from kvmosaic.bench.workloads import build
+from kvmosaic.server.tokenizer import tokenizer_for
 
 
 def spread(values: list[float]) -> dict:
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     on, off = f"kvmosaic-{args.cache}", "kvmosaic-none"
     settings = PeerSettings(dtype=args.dtype, threads=args.threads)
-    tokenizer = load_tokenizer(None)
+    tokenizer = tokenizer_for(None)
     workload = build("no-reuse", 0, args.quick)
     peers = {n: PeerProcess(n, settings) for n in (on, off)}
     started = time.time()
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
         for proc in peers.values():
             proc.stop()
     result = {"rounds": spread(round_ratios), "paired_requests": spread(paired), "raw_round_ratios": round_ratios,
-              "command": f"python -m kvmosaic.bench.cache_cost --rounds {args.rounds} --cache {args.cache} --dtype {args.dtype}"
+              "command": f"python -m benchmarks.cache_cost --rounds {args.rounds} --cache {args.cache} --dtype {args.dtype}"
                          + (" --quick" if args.quick else ""),
               "wall_s": time.time() - started, "requests_per_round": len(workload.requests)}
     md = (f"- command: `{result['command']}` ({result['wall_s']:.0f} s)\n"

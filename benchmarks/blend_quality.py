@@ -13,7 +13,7 @@ compared with full prefill of the same prompt:
 * greedy agreement: the fraction of the 16 free-running greedy tokens equal to full prefill's;
 * accuracy: whether the answer string appears in the 16 generated tokens.
 
-Run: ``python -m kvmosaic.bench.blend_quality`` (``--requests``, ``--check-layer``, ``--seed``,
+Run: ``python -m benchmarks.blend_quality`` (``--requests``, ``--check-layer``, ``--seed``,
 ``--out``). Prints a markdown
 table and writes a Pareto plot of KL against TTFT into ``docs/blend/``.
 """
@@ -30,11 +30,11 @@ from pathlib import Path
 
 import torch
 
-from ..blend.blender import BlendOptions
-from ..blend.prompt import parse_segment_prompt
-from ..cache.manager import PlainRequest
-from ..engine.llm import LLM
-from ..engine.sampling_params import SamplingParams
+from kvmosaic.blend.blender import BlendOptions
+from kvmosaic.blend.prompt import parse_segment_prompt
+from kvmosaic.cache.manager import PlainRequest
+from kvmosaic.engine.llm import LLM
+from kvmosaic.engine.sampling_params import SamplingParams
 
 HEAD = "<|im_start|>system\nYou answer questions using only the documents the user gives you.<|im_end|>\n<|im_start|>user\n"
 DOCS = [

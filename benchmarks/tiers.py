@@ -1,4 +1,4 @@
-"""Storage-tier benchmark: ``python -m kvmosaic.bench.tiers`` (issue 11).
+"""Storage-tier benchmark: ``python -m benchmarks.tiers`` (issue 11).
 
 Measures, on this machine, with the shipped model:
 
@@ -22,8 +22,8 @@ import tempfile
 import textwrap
 import time
 
-from ..engine.llm import LLM
-from ..engine.sampling_params import SamplingParams
+from kvmosaic.engine.llm import LLM
+from kvmosaic.engine.sampling_params import SamplingParams
 
 ONE = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     del llm
 
     # Redis hit from another process.
-    from ..tiers.redis_server import RedisServer, find_redis_server
+    from kvmosaic.tiers.redis_server import RedisServer, find_redis_server
 
     if find_redis_server() is not None:
         with RedisServer() as server:

@@ -1,7 +1,7 @@
 """Figures for the radix backend and cache-aware scheduling (issue 3).
 
-    python -m kvmosaic.bench.radix_figures            # every section
-    python -m kvmosaic.bench.radix_figures --only lookup lpm   # the model-free sections
+    python -m benchmarks.radix_figures            # every section
+    python -m benchmarks.radix_figures --only lookup lpm   # the model-free sections
 
 Sections:
 
@@ -11,9 +11,9 @@ Sections:
 * ``cow``: what a copy-on-write of a partial block costs against recomputing its tokens;
 * ``lookup``: CPU time of one prefix lookup for a 32k-token prompt in each backend;
 * ``lpm``: hit rate of LPM against FCFS ordering under cache pressure on a multi-tenant
-  workload. This drives the real :class:`Scheduler` and cache managers with a model-free
-  step loop (hit rates do not depend on the KV values; every request emits a fixed number
-  of tokens), so it runs in seconds.
+  workload. This drives the real :class:`Scheduler` and cache managers with the tests'
+  model-free step loop (``tests/sched_sim.py``; hit rates do not depend on the KV values), so
+  it runs in seconds. Run from the repository root (``python -m benchmarks.radix_figures``).
 """
 
 from __future__ import annotations
@@ -24,81 +24,9 @@ import statistics
 import time
 from dataclasses import dataclass
 
-from ..cache.block_pool import BlockPool
-from ..cache.hashing import get_hash_fn, make_seed
-from ..cache.manager import HashCacheManager, KVCacheManager
-from ..cache.radix import RadixCacheManager
-from ..engine.sampling_params import SamplingParams
-from ..engine.scheduler import Scheduler, SchedulerConfig
-from ..engine.sequence import Sequence
-
-SEED = make_seed("bench", "float32", 16, "sha256_cbor")
-
-
-def make_manager(kind: str, num_blocks: int, block_size: int = 16, hash_algo: str = "sha256_cbor") -> KVCacheManager:
-    pool = BlockPool(num_blocks, block_size)
-    if kind == "radix":
-        return RadixCacheManager(pool, SEED)
-    return HashCacheManager(pool, SEED, get_hash_fn(hash_algo), enable_caching=kind == "hash")
-
-
-# ---- workloads ---------------------------------------------------------------------------
-
-def rand_tokens(rng: random.Random, n: int) -> list[int]:
-    return [rng.randrange(200, 40000) for _ in range(n)]
-
-
-def multi_tenant(rng: random.Random, tenants: int, requests: int) -> list[list[int]]:
-    """Tenants with system prompts of irregular lengths (150-400 tokens), requests
-    interleaved at random, each a short question of irregular length."""
-    systems = [rand_tokens(rng, rng.randint(150, 400)) for _ in range(tenants)]
-    return [rng.choice(systems) + rand_tokens(rng, rng.randint(5, 40)) for _ in range(requests)]
-
-
-# ---- LPM vs FCFS (model-free) ------------------------------------------------------------
-
-@dataclass
-class SchedRun:
-    policy: str
-    backend: str
-    hit_rate: float
-    steps: int
-    max_wait_rounds: int
-
-
-def simulate(prompts: list[list[int]], backend: str, policy: str, num_blocks: int,
-             max_num_seqs: int = 4, max_tokens: int = 8, budget: int = 512) -> SchedRun:
-    """Run the real scheduler and cache manager; the "model" emits token 7 per step."""
-    mgr = make_manager(backend, num_blocks)
-    sched = Scheduler(SchedulerConfig(budget, max_num_seqs, 1 << 16, policy), mgr)
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    seqs = []
-    for i, p in enumerate(prompts):
-        seq = Sequence(f"r{i}", None, list(p), params, arrival_time=float(i))
-        sched.add(seq)
-        seqs.append(seq)
-    admitted_at: dict[str, int] = {}
-    steps = 0
-    while sched.has_unfinished():
-        out = sched.schedule()
-        steps += 1
-        for s in out.scheduled:
-            admitted_at.setdefault(s.seq.request_id, steps)
-        mgr.take_pending_copies()
-        sched.update(out)
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(7)
-                if len(seq.output_token_ids) >= max_tokens:
-                    sched.finish(seq, "length")
-        if steps > 100_000:
-            raise RuntimeError("the simulation does not terminate")
-    # Rounds a request waited beyond its FCFS turn (a proxy for the starvation bound).
-    fcfs_rank = {s.request_id: i for i, s in enumerate(seqs)}
-    order = sorted(admitted_at, key=lambda r: (admitted_at[r], fcfs_rank[r]))
-    passed = [sum(1 for o in order[: order.index(r)] if fcfs_rank[o] > fcfs_rank[r]) for r in order]
-    return SchedRun(policy, backend, mgr.stats.hit_rate, steps, max(passed))
+from kvmosaic.cache.manager import KVCacheManager
+from kvmosaic.engine.sampling_params import SamplingParams
+from tests.sched_sim import make_manager, multi_tenant, rand_tokens, simulate
 
 
 def section_lpm(args) -> None:
@@ -166,7 +94,7 @@ def section_lookup(args) -> None:
 # ---- with the model: reuse, TTFT, copy-on-write ----------------------------------------------
 
 def _llm(backend: str, **kw):
-    from ..engine.llm import LLM
+    from kvmosaic.engine.llm import LLM
 
     return LLM(dtype="float32", device="cpu", prefix_cache=backend, num_kv_blocks=512, **kw)
 

@@ -1,4 +1,4 @@
-"""``python -m kvmosaic.bench.replicas``: the multi-tenant workload over 2 real replicas on
+"""``python -m benchmarks.replicas``: the multi-tenant workload over 2 real replicas on
 Ray Serve, once per routing policy. Prints each policy's prefix hit rate (cached / prompt
 tokens, as the replicas report them), the cache-aware / round-robin ratio, and the router's
 predicted vs reported cached tokens.
@@ -14,49 +14,16 @@ pays each prefix once.
 from __future__ import annotations
 
 import argparse
-import math
-import random
 import re
 import time
 
 import httpx
 
-WORDS = ("invoice refund shipping warranty account billing order parcel voucher ledger policy "
-         "escalate verify courteous concise summary customer region holiday discount premium").split()
-
-
-def tenants(n: int, system_tokens: int, seed: int = 0) -> list[str]:
-    """Distinct system prompts (different from their first words on, so no block is shared)."""
-    rng = random.Random(seed)
-    words = max(8, int(system_tokens / 1.25))
-    return [f"Tenant {t} rules. " + " ".join(rng.choice(WORDS) for _ in range(words)) for t in range(n)]
-
-
-def schedule(n_requests: int, n_tenants: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(n_tenants) for _ in range(n_requests)]
-
-
-def pool_blocks(system_prompt_tokens: int, pool_tenants: float, block_size: int = 16) -> int:
-    per_tenant = math.ceil((system_prompt_tokens + 32) / block_size)
-    return math.ceil(pool_tenants * per_tenant) + 4
-
-
-def measure_tokens(text: str) -> int:
-    from ..serve.ingress import load_tokenizer_for
-
-    return len(load_tokenizer_for(None).encode(text, add_special_tokens=False))
-
-
-def conversations(systems: list[str], order: list[int]) -> list[list[dict]]:
-    """The chat requests of a schedule: request ``i`` is tenant ``order[i]``'s system prompt and a
-    short question of its own."""
-    return [[{"role": "system", "content": systems[t]},
-             {"role": "user", "content": f"Question {i}: what is {i} + {t}?"}] for i, t in enumerate(order)]
+from kvmosaic.bench.tenant_workload import conversations, measure_tokens, pool_blocks, schedule, tenants
 
 
 def run_policy(policy: str, args, systems: list[str], order: list[int], num_kv_blocks: int) -> dict:
-    from ..server.launch import ServerProcess
+    from kvmosaic.server.launch import ServerProcess
 
     server = ServerProcess("--replicas", "2", "--router", policy, "--num-kv-blocks", str(num_kv_blocks))
     prompt, cached = 0, 0
@@ -83,7 +50,7 @@ def run_policy(policy: str, args, systems: list[str], order: list[int], num_kv_b
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m kvmosaic.bench.replicas")
+    p = argparse.ArgumentParser(prog="python -m benchmarks.replicas")
     p.add_argument("--policies", nargs="+", default=["round-robin", "cache-aware", "least-loaded", "approximate-tree"])
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--requests", type=int, default=16)

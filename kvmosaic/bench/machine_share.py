@@ -1,0 +1,81 @@
+""""At X% of the machine": each peer's prefill and decode at c=1 of ``kvmosaic bench serve``'s
+no-reuse workload, as fractions of the roofline (:mod:`.roofline`) measured in the same run with
+the same threads.
+
+- prefill GFLOP/s = (2 x non-embedding params x new prompt tokens + causal attention FLOPs) /
+  TTFT p50, against the GEMM peak in the run's dtype. TTFT also holds the request's HTTP round
+  trip and the first token's sampling, so the fraction is a lower bound on the prefill's own.
+- decode GB/s = weight bytes one step reads (every non-embedding weight and the LM head, in the
+  peer's weight format) / ITL p50, against the measured read bandwidth. KV reads are not counted
+  (at ~750 tokens of context a few percent of the weights in bfloat16).
+
+Parameter counts and stored bytes come from the model's own files (:mod:`.model_size`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .model_size import ModelSize
+from .roofline import Roofline
+from .serve_report import LevelResult, format_ms
+
+SHARE_WORKLOAD = "no-reuse"
+BYTES = {"float32": 4.0, "bfloat16": 2.0}
+# Peers that serve the GGUF's own format (its 4-bit blocks), whatever --dtype says.
+FILE_FORMAT_PEERS = ("llama-server", "llama-cpp-server")
+INT8_PEERS = ("kvmosaic-hash-int8",)
+
+
+@dataclass(frozen=True)
+class MachineShare:
+    peer: str
+    weights: str
+    new_tokens: float
+    ttft_s: float
+    prefill_gflops: float
+    prefill_share: float  # of the GEMM peak in the run's dtype
+    itl_s: float | None
+    decode_gbs: float | None
+    decode_share: float | None  # of the read bandwidth
+
+
+def weight_format(peer: str, dtype: str, size: ModelSize) -> tuple[str, float | None]:
+    """(label, bytes per weight; None: as the file stores them) of the weights ``peer`` reads."""
+    base = peer.split("@", 1)[0]
+    if base in FILE_FORMAT_PEERS:
+        return size.file_format, None
+    if base in INT8_PEERS:
+        return "int8", 1.0
+    return dtype, BYTES[dtype]
+
+
+def shares(rows: list[LevelResult], roofline: Roofline, size: ModelSize, dtype: str) -> list[MachineShare]:
+    """One entry per peer with a closed-loop c=1 level of the no-reuse workload and a TTFT."""
+    out = []
+    for r in rows:
+        if (r.workload, r.mode, r.level) != (SHARE_WORKLOAD, "closed", 1) or not r.requests or not r.ttft_p50:
+            continue
+        new = (r.prompt_tokens - r.cached_tokens) / r.requests
+        cached = r.cached_tokens / r.requests
+        gflops = size.prefill_flops(new, cached) / r.ttft_p50 / 1e9
+        label, per_weight = weight_format(r.peer, dtype, size)
+        gbs = size.decode_weight_bytes(per_weight) / r.itl_p50 / 1e9 if r.itl_p50 else None
+        out.append(MachineShare(r.peer, label, new, r.ttft_p50, gflops, gflops / roofline.gemm_gflops[dtype],
+                                r.itl_p50, gbs, gbs / roofline.read_gbs if gbs is not None else None))
+    return out
+
+
+def table(entries: list[MachineShare], roofline: Roofline, dtype: str) -> str:
+    """The markdown section: the roofline, then one row per peer."""
+    lines = [f"## At X% of the machine ({SHARE_WORKLOAD}, c=1)", "",
+             *[f"- {line}" for line in roofline.lines()],
+             f"- prefill share: of the {dtype} GEMM peak ({roofline.gemm_gflops[dtype]:,.0f} GFLOP/s); decode share: of "
+             f"the read bandwidth ({roofline.read_gbs:,.1f} GB/s); see kvmosaic/bench/machine_share.py for the counts", "",
+             "| engine | weights | new prompt tok | TTFT p50 ms | prefill GFLOP/s | at % of GEMM peak | ITL p50 ms "
+             "| decode weight GB/s | at % of bandwidth |", "|---|---|---|---|---|---|---|---|---|"]
+    for e in entries:
+        decode = ("–", "–") if e.decode_gbs is None else (f"{e.decode_gbs:,.1f}", f"{e.decode_share:.0%}")
+        lines.append(f"| {e.peer} | {e.weights} | {e.new_tokens:,.0f} | {format_ms(e.ttft_s)} | {e.prefill_gflops:,.0f} "
+                     f"| {e.prefill_share:.0%} | {format_ms(e.itl_s)} | {decode[0]} | {decode[1]} |")
+    return "\n".join(lines)

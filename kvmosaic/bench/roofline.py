@@ -1,0 +1,144 @@
+"""``kvmosaic bench roofline``: this machine's ceilings at the chosen ``--threads``, measured in
+this process with torch — the GEMM peak per dtype (float32, bfloat16) and the memory bandwidth
+— so that a benchmark can say how close an engine comes to them ("at X% of the machine").
+
+- GEMM: ``torch.matmul`` of a large square product and of the model's own prefill shapes (one
+  layer's QKV, output, gate/up and down projections for ``tokens`` rows), each the best of
+  ``repeats`` timed runs after a warm-up; a dtype's peak is the better of the two.
+- Memory: a read (``sum`` over a tensor far larger than any cache) and a copy, best of
+  ``repeats``; GB/s counts bytes read (+ written, for the copy). The read is the decode floor's
+  denominator: a decode step reads its weights.
+
+Guarantees: the thread count is set for the measurement and restored after; nothing is cached
+between calls; figures are the best observed (a busy machine lowers them, never raises them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True)
+class Roofline:
+    threads: int
+    gemm_gflops: dict[str, float]  # dtype -> peak (the better of square and model shapes)
+    gemm_square_gflops: dict[str, float]
+    gemm_model_gflops: dict[str, float]  # empty when the model's shapes could not be read
+    read_gbs: float
+    copy_gbs: float
+    square: int
+    model_tokens: int
+    buffer_mb: int
+
+    def lines(self) -> list[str]:
+        def shapes(d: str) -> str:
+            return f"{self.gemm_model_gflops[d]:,.0f}" if d in self.gemm_model_gflops else "– (not read)"
+
+        gemm = ", ".join(f"{d} {self.gemm_gflops[d]:,.0f} GFLOP/s (square {self.gemm_square_gflops[d]:,.0f}, "
+                         f"model shapes {shapes(d)})" for d in self.gemm_gflops)
+        return [f"GEMM peak at {self.threads} thread(s): {gemm}",
+                f"memory bandwidth: read {self.read_gbs:,.1f} GB/s, copy {self.copy_gbs:,.1f} GB/s "
+                f"({self.buffer_mb} MB buffers)"]
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up: first-touch pages, oneDNN primitive creation
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def model_shapes(model: str | None) -> list[tuple[int, int]]:
+    """(in, out) of one decoder layer's projections (fused QKV, output, fused gate/up, down), from
+    the model's GGUF metadata or config.json."""
+    from .model_size import model_size
+
+    s = model_size(model)
+    q, kv = s.num_heads * s.head_dim, s.num_kv_heads * s.head_dim
+    return [(s.hidden_size, q + 2 * kv), (q, s.hidden_size), (s.hidden_size, 2 * s.intermediate_size),
+            (s.intermediate_size, s.hidden_size)]
+
+
+def gemm_gflops(dtype: str, shapes: list[tuple[int, int, int]], repeats: int) -> float:
+    """GFLOP/s of the products (m, k, n) run back to back, best of ``repeats``."""
+    import torch
+
+    dt = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(0)
+    ops = [(torch.randn(m, k, generator=gen).to(dt), torch.randn(k, n, generator=gen).to(dt)) for m, k, n in shapes]
+    flops = sum(2.0 * m * k * n for m, k, n in shapes)
+
+    def run() -> None:
+        for a, b in ops:
+            torch.matmul(a, b)
+
+    return flops / _best(run, repeats) / 1e9
+
+
+def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:
+    """(read GB/s, copy GB/s) over float32 buffers of ``buffer_mb`` MB."""
+    import torch
+
+    src = torch.ones(buffer_mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    nbytes = src.numel() * 4
+    read = nbytes / _best(lambda: src.sum(), repeats) / 1e9
+    copy = 2 * nbytes / _best(lambda: dst.copy_(src), repeats) / 1e9
+    return read, copy
+
+
+def measure(threads: int | None, model: str | None = None, quick: bool = False) -> Roofline:
+    """The roofline at ``threads`` torch threads (None: all cores); the model-shape GEMMs are left
+    out (and said so) when ``model``'s files cannot be read."""
+    import os
+
+    import torch
+
+    square, tokens, buffer_mb, repeats = (512, 128, 128, 3) if quick else (2048, 512, 512, 5)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        try:
+            layer = [(tokens, k, n) for k, n in model_shapes(model)]
+        except (OSError, ValueError, KeyError):
+            layer = []
+        sq = {d: gemm_gflops(d, [(square, square, square)], repeats) for d in DTYPES}
+        md = {d: gemm_gflops(d, layer, repeats) for d in DTYPES} if layer else {}
+        read, copy = bandwidth_gbs(buffer_mb, repeats)
+        used = torch.get_num_threads()
+    finally:
+        torch.set_num_threads(before)
+    return Roofline(used, {d: max(sq[d], md.get(d, 0.0)) for d in DTYPES}, sq, md, read, copy, square, tokens, buffer_mb)
+
+
+def write(out: Path, roofline: Roofline, header: dict) -> Path:
+    """Sets the ``roofline`` entry of ``out/bench.json`` (the file's other entries are kept)."""
+    path = out / "bench.json"
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data["roofline"] = {**header, **asdict(roofline)}
+    path.write_text(json.dumps(data, indent=1))
+    return path
+
+
+def run(args: argparse.Namespace) -> int:
+    from .machine import describe
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    roofline = measure(args.threads, args.model, args.quick)
+    command = "kvmosaic bench roofline" + (f" --threads {args.threads}" if args.threads else "") + (" --quick" if args.quick else "")
+    header = {"command": command, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": describe()}
+    print(f"machine: {header['machine']}")
+    for line in roofline.lines():
+        print(line)
+    print(f"wrote {write(out, roofline, header)}")
+    return 0
