@@ -27,11 +27,9 @@ def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.
     with torch.device("meta"):
         model = LlamaForCausalLM(weights.config)
     model = model.to_empty(device=device)
-    model.rotary.__init__(weights.config.head_dim, weights.config.rope_theta, weights.config.max_position_embeddings)
-    model.rotary.to(device)
     model.load_hf_tensors(weights.tensors)
     model.to(dtype)
-    model.rotary.float()  # RoPE tables stay float32, as in transformers
+    model.reset_rotary(device)  # RoPE tables stay float32, as in transformers
     if quantization == "int8":
         quantize_int8(model)
     elif packing_supported(dtype, torch.device(device)):

@@ -1,7 +1,7 @@
 """Find and read weights: the shipped GGUF, any local GGUF file, or a safetensors folder.
 
 Every loader returns a :class:`LoadedWeights`: the config, a dict of float32 tensors under
-Hugging Face Llama names (so one model class reads them all), the folder and file that a
+Hugging Face names (so one model class reads them all, every family of ``families.py``), the folder and file that a
 tokenizer is read from, and a fingerprint of the weights that seeds the block hash chain.
 Nothing is downloaded.
 """
@@ -166,10 +166,7 @@ def _load_gguf(path: Path) -> LoadedWeights:
 def _load_safetensors(path: Path) -> LoadedWeights:
     from safetensors.torch import load_file
 
-    cfg_dict = json.loads((path / "config.json").read_text())
-    archs = cfg_dict.get("architectures") or ["LlamaForCausalLM"]
-    if cfg_dict.get("model_type", "llama") not in ("llama", "mistral") and "Llama" not in archs[0]:
-        raise ValueError(f"{path}: model_type {cfg_dict.get('model_type')!r} is not Llama-family")
+    cfg = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))  # refuses first
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
@@ -177,7 +174,6 @@ def _load_safetensors(path: Path) -> LoadedWeights:
     for f in files:
         for k, v in load_file(str(f)).items():
             tensors[k] = v.float()
-    cfg = ModelConfig.from_hf_dict(cfg_dict)
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:
         cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
     return LoadedWeights(cfg, tensors, str(path), None, fingerprint_files(files), path.name)
