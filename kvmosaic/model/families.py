@@ -170,23 +170,24 @@ def traits_from_hf(cfg: dict) -> Traits:
     )
 
 
-def check_model(model: str | None) -> None:
+def check_model(model: str | None) -> Traits | None:
     """Refuse a model path that does not exist or an architecture that would not load, reading
     only its config (``config.json`` or the GGUF header): called when the engine's options are
-    checked, before anything is allocated. ``None`` is the shipped (Llama) model."""
+    checked, before anything is allocated. Returns the traits of a ``config.json`` model (None
+    for a GGUF file or the shipped model, ``model=None``)."""
     if model is None:
-        return
+        return None
     path = Path(model)
     if not path.exists():
         raise ValueError(f"model path {model!r} does not exist (nothing is downloaded)")
     if path.is_dir() and (path / "config.json").exists():
-        traits_from_hf(json.loads((path / "config.json").read_text()))
-    elif path.is_file() and path.suffix == ".gguf":
+        return traits_from_hf(json.loads((path / "config.json").read_text()))
+    if path.is_file() and path.suffix == ".gguf":
         from gguf import GGUFReader
 
         field = GGUFReader(str(path)).fields.get("general.architecture")
         arch = field.contents() if field is not None else None
         if arch not in GGUF_SUPPORTED:
             raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_SUPPORTED)}")
-    else:
-        raise ValueError(f"{model}: expected a .gguf file or a folder with config.json and *.safetensors")
+        return None
+    raise ValueError(f"{model}: expected a .gguf file or a folder with config.json and *.safetensors")
