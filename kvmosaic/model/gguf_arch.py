@@ -1,0 +1,84 @@
+"""How a GGUF file (llama.cpp's conventions) names what a Hugging Face checkpoint names.
+
+The header becomes a ``config.json``-style dict, so a GGUF model is read into ``Traits`` by
+the same table as a safetensors folder (``families.py``); tensor names map to Hugging Face's.
+llama.cpp permutes Q/K rows for its own RoPE in ``llama`` files only (undone by the loader);
+Phi-3 keeps q/k/v fused (``attn_qkv``) and gate/up fused (``ffn_up``, gate rows first).
+Gemma files are refused for now: llama.cpp folds ``+1`` into their norms and fixes the
+attention scale and layer pattern in code, not in the header.
+"""
+
+from __future__ import annotations
+
+# GGUF general.architecture -> Hugging Face model_type
+GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def check_gguf_arch(arch: str | None) -> str:
+    """The Hugging Face model_type of a GGUF architecture, or a one-line refusal."""
+    if arch not in GGUF_ARCHS:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; supported: {', '.join(GGUF_ARCHS)}")
+    return GGUF_ARCHS[arch]
+
+
+def hf_config(fields: dict, has_output: bool) -> dict:
+    """The header's fields as a ``config.json`` dict."""
+    arch = fields.get("general.architecture")
+    model_type = check_gguf_arch(arch)
+    get = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
+    heads = int(get("attention.head_count"))
+    hidden = int(get("embedding_length"))
+    head_dim = int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads)
+    cfg = {
+        "model_type": model_type,
+        "vocab_size": int(get("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
+        "hidden_size": hidden,
+        "intermediate_size": int(get("feed_forward_length")),
+        "num_hidden_layers": int(get("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(get("attention.head_count_kv", heads)),
+        "head_dim": head_dim,
+        "rope_theta": float(get("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+        "max_position_embeddings": int(get("context_length", 2048)),
+        "tie_word_embeddings": not has_output,
+        "bos_token_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": fields.get("tokenizer.ggml.eos_token_id"),
+    }
+    rotary = get("rope.dimension_count")
+    if rotary is not None and int(rotary) != head_dim:
+        cfg["partial_rotary_factor"] = int(rotary) / head_dim  # refused by families.traits_from_hf
+    if get("attention.sliding_window"):
+        cfg["sliding_window"] = int(get("attention.sliding_window"))
+    return cfg
+
+
+def hf_tensor_name(arch: str, name: str) -> str | None:
+    """The Hugging Face name of a GGUF tensor (None: not one the model reads)."""
+    if name == "token_embd.weight":
+        return "model.embed_tokens.weight"
+    if name == "output_norm.weight":
+        return "model.norm.weight"
+    if name == "output.weight":
+        return "lm_head.weight"
+    parts = name.split(".")
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES:
+        return None
+    _, idx, kind, suffix = parts
+    hf = "mlp.gate_up_proj" if (arch, kind) == ("phi3", "ffn_up") else LAYER_NAMES[kind]
+    return f"model.layers.{idx}.{hf}.{suffix}"
