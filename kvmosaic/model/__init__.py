@@ -10,7 +10,7 @@ from .llama import LlamaForCausalLM
 from .loader import LoadedWeights, load_weights, shipped_model_path
 from .packed_linear import packing_supported
 from .quant import QUANTIZATIONS, quantize_int8, quantized_fingerprint
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, stop_token_ids
 
 __all__ = [
     "ModelConfig", "LlamaForCausalLM", "LoadedWeights", "ModelBundle",
@@ -47,6 +47,7 @@ class ModelBundle:
     config: ModelConfig
     fingerprint: str  # of the weights as computed with: quantization included
     name: str
+    stop_token_ids: tuple[int, ...] = ()  # EOS and the model's other end-of-generation ids
 
 
 @functools.lru_cache(maxsize=2)
@@ -55,4 +56,5 @@ def load_model_bundle(model: str | None, dtype: str, device: str, quantization: 
     built = build_model(weights, DTYPES[dtype], device, quantization)
     tokenizer = load_tokenizer(weights.tokenizer_dir, weights.gguf_file)
     fingerprint = quantized_fingerprint(weights.fingerprint, quantization)
-    return ModelBundle(built, tokenizer, weights.config, fingerprint, weights.name)
+    stops = stop_token_ids(tokenizer, None if weights.gguf_file else weights.tokenizer_dir)
+    return ModelBundle(built, tokenizer, weights.config, fingerprint, weights.name, stops)

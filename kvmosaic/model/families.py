@@ -177,7 +177,7 @@ def check_model(model: str | None) -> Traits | None:
         return None
     path = Path(model)
     if not path.exists():
-        raise ValueError(f"model path {model!r} does not exist (nothing is downloaded)")
+        raise ValueError(f"model path {model!r} does not exist (nothing is downloaded)")  # hub.resolve_model first
     if path.is_dir() and (path / "config.json").exists():
         return traits_from_hf(json.loads((path / "config.json").read_text()))
     if path.is_file() and path.suffix == ".gguf":

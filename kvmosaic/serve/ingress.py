@@ -47,14 +47,18 @@ FORWARDED_HEADERS = ("authorization", "content-type", "accept")
 DROPPED_HEADERS = ("content-length", "transfer-encoding", "connection", "date", "server")
 
 
-def load_tokenizer_for(model: str | None):
+def load_tokenizer_for(model: str | None, chat_template: str | None = None):
+    """The replicas' tokenizer and chat template (the front renders chats to route them)."""
+    from ..model.hub import resolve_model
     from ..model.loader import shipped_model_path
-    from ..model.tokenizer import load_tokenizer
+    from ..model.tokenizer import load_tokenizer, with_chat_template
 
-    path = model or shipped_model_path()
+    path = resolve_model(model) or shipped_model_path()
     if os.path.isfile(path):
-        return load_tokenizer(os.path.dirname(path), os.path.basename(path))
-    return load_tokenizer(path, None)
+        tokenizer = load_tokenizer(os.path.dirname(path), os.path.basename(path))
+    else:
+        tokenizer = load_tokenizer(path, None)
+    return with_chat_template(tokenizer, chat_template)
 
 
 def sse(data: dict | str) -> bytes:
@@ -99,7 +103,7 @@ class OpenAIIngress:
         self.args = server_args
         self.tenants = server_args.tenant_policy()
         self.drain = Drain(server_args.shutdown_timeout)
-        self.tokenizer = load_tokenizer_for(engine_args.model)
+        self.tokenizer = load_tokenizer_for(engine_args.model, engine_args.chat_template)
 
     def __serve_build_asgi_app__(self):
         from .front import build_front
