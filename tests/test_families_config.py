@@ -84,3 +84,13 @@ def test_cli_refuses_before_loading(tmp_path, capsys):
         from kvmosaic.engine.config import EngineConfig
 
         EngineConfig(model=str(tmp_path / "missing"))
+
+
+def test_segment_reuse_refused_for_windowed_models(tmp_path):
+    from kvmosaic.engine.config import EngineConfig
+    from tests.tiny_models import hf_config
+
+    (tmp_path / "config.json").write_text(hf_config("gemma3").to_json_string())
+    with pytest.raises(ValueError, match="segment reuse is not supported for gemma3_text models"):
+        EngineConfig(model=str(tmp_path), segment_reuse="blend")
+    EngineConfig(model=str(tmp_path))  # the model itself is accepted
