@@ -46,19 +46,19 @@ def test_window_per_layer_as_transformers(case):
 
 def test_gemma3_rope_bases_per_layer_type():
     written, _ = hf_windows("Gemma3TextConfig", dict(sliding_window=512, sliding_window_pattern=3))
-    thetas = traits_from_hf(written).rope_thetas
+    thetas = tuple(r.theta for r in traits_from_hf(written).ropes)
     assert thetas == (10000.0, 10000.0, 1e6, 10000.0, 10000.0, 1e6, 10000.0)
     older = {k: v for k, v in written.items() if k not in ("layer_types", "rope_parameters")}
     older.update(rope_theta=1e6, rope_local_base_freq=10000.0)  # the transformers 4 fields
-    assert traits_from_hf(older).rope_thetas == thetas
+    assert tuple(r.theta for r in traits_from_hf(older).ropes) == thetas
 
 
 @pytest.mark.parametrize("cfg, words", [
     ({"model_type": "gpt2", "num_hidden_layers": 2}, "architecture 'gpt2' is not supported; supported: "
                                                      + ", ".join(SUPPORTED)),
     ({"model_type": "gemma3", "num_hidden_layers": 2}, "vision tower"),
-    ({"model_type": "llama", "num_hidden_layers": 2, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
-     "RoPE type 'llama3' is not supported"),
+    ({"model_type": "llama", "num_hidden_layers": 2, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}},
+     "RoPE type 'yarn' is not supported yet; supported: default, linear, llama3"),
     ({"model_type": "phi3", "num_hidden_layers": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
                                                                          "partial_rotary_factor": 0.75}},
      "partial_rotary_factor"),

@@ -23,6 +23,9 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 # so that the tests' ~100-token prompts run past them.
 FAMILIES = {
     "llama": ("LlamaConfig", {}),
+    "llama3-rope": ("LlamaConfig", dict(rope_parameters={  # Llama 3.1's scaling, its ramp inside 16 dims
+        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2": ("Qwen2Config", {}),
     "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1)),
     "qwen3": ("Qwen3Config", {}),
@@ -34,7 +37,8 @@ FAMILIES = {
                                         tie_word_embeddings=True,
                                         layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
-                                                         "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}})),
+                                                         "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                            "rope_theta": 1000000.0}})),
 }
 
 

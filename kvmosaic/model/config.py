@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .families import Traits, rope_theta, traits_from_hf
+from .families import Traits, rope_of, traits_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -42,7 +42,7 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads", heads),
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rope_theta=rope_theta(cfg, "full_attention" if traits.rope_thetas else None),
+            rope_theta=rope_of(cfg, "full_attention" if traits.family == "gemma3_text" else None).theta,
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),

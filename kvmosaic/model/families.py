@@ -19,7 +19,7 @@ gemma3     -       (1+w)   (1+w), pre and post   GeGLU     qpas          layer_t
 (``qpas``: ``query_pre_attn_scalar ** -0.5``; Gemma also scales embeddings by sqrt(hidden), and
 Gemma 2 caps final logits.) A window ``W`` means the query at position ``p`` sees keys at
 ``p - W < j <= p``, as transformers' ``sliding_window_overlay``. Anything the table cannot
-express (RoPE scaling, partial rotary, biases elsewhere, bidirectional attention, a vision
+express (RoPE scalings but linear and llama3, partial rotary, biases elsewhere, bidirectional attention, a vision
 tower) is refused by :func:`traits_from_hf` with a one-line ``ValueError`` naming the reason,
 before any weight is read.
 """
@@ -36,6 +36,22 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
 @dataclass(frozen=True)
+class Rope:
+    """One RoPE table's parameters: the base, and a scaling transformers names ``linear``
+    (every frequency divided by ``factor``: Gemma 3's global layers) or ``llama3`` (low
+    frequencies divided, high kept, a smooth ramp between: Llama 3.1+), or llama.cpp's
+    per-frequency divisors (``freq_factors``, a GGUF's ``rope_freqs`` tensor)."""
+
+    theta: float
+    kind: str = "default"  # default | linear | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_positions: int = 8192
+    freq_factors: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class Traits:
     """How one model departs from Llama. The defaults are Llama: a ``Traits()`` changes nothing."""
 
@@ -49,50 +65,56 @@ class Traits:
     attn_softcap: float | None = None  # Gemma 2: scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # Gemma 2: logits -> cap * tanh(logits / cap)
     windows: tuple[int | None, ...] = ()  # per layer; () when no layer has one
-    rope_thetas: tuple[float, ...] = ()  # per layer; () when every layer uses ModelConfig.rope_theta
+    ropes: tuple[Rope, ...] = ()  # per layer; () when every layer has default RoPE at ModelConfig.rope_theta
 
     def window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
 
-    def rope_theta(self, layer: int, default: float) -> float:
-        return self.rope_thetas[layer] if self.rope_thetas else default
+    def rope(self, layer: int, theta: float) -> Rope:
+        return self.ropes[layer] if self.ropes else Rope(theta)
 
     @property
     def segment_reuse_ok(self) -> bool:
         """Segment reuse (blend/) runs the plain decoder step by step; it has no windows, caps,
         embedding scale or per-layer RoPE bases."""
-        return not (self.windows or self.rope_thetas or self.attn_softcap or self.embed_scale)
+        return not (self.windows or len(set(self.ropes)) > 1 or self.attn_softcap or self.embed_scale)
 
 
-def _rope(params: dict | None, where: str) -> float | None:
-    """The base of a default RoPE; anything else is refused."""
-    if not params:
-        return None
+ROPE_KINDS = ("default", "linear", "llama3")
+
+
+def _rope(params: dict, theta: float, where: str) -> Rope:
+    """A RoPE from a ``rope_parameters`` / ``rope_scaling`` dict; unknown scalings are refused."""
     kind = params.get("rope_type", params.get("type", "default"))
-    if kind != "default":
-        raise ValueError(f"{where}: RoPE type {kind!r} is not supported yet (only default RoPE)")
+    if kind not in ROPE_KINDS:
+        raise ValueError(f"{where}: RoPE type {kind!r} is not supported yet; supported: {', '.join(ROPE_KINDS)}")
     if params.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor {params['partial_rotary_factor']} is not supported yet")
-    theta = params.get("rope_theta")
-    return None if theta is None else float(theta)
+    theta = float(params.get("rope_theta", theta))
+    if kind == "default":
+        return Rope(theta)
+    if kind == "linear":
+        return Rope(theta, kind, float(params["factor"]))
+    return Rope(theta, kind, float(params["factor"]), float(params["low_freq_factor"]),
+                float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
 
 
-def rope_theta(cfg: dict, layer_type: str | None = None) -> float:
-    """The RoPE base of the config (of one layer type where the config has one per type), from
+def rope_of(cfg: dict, layer_type: str | None = None) -> Rope:
+    """The RoPE of the config (of one layer type where the config has one per type), from
     ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (older files)."""
     where = cfg.get("model_type", "config")
-    if cfg.get("rope_scaling"):
-        _rope(cfg["rope_scaling"], where)
     if cfg.get("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported yet")
+    default = 1_000_000.0 if (where, layer_type) == ("gemma3_text", "full_attention") else 10000.0
+    theta = float(cfg.get("rope_theta", default))
+    if layer_type == "sliding_attention":
+        theta = float(cfg.get("rope_local_base_freq", 10000.0))
     params = cfg.get("rope_parameters") or {}
     if layer_type is not None and layer_type in params:
         params = params[layer_type]
-    theta = _rope(params, where)
-    if theta is None and layer_type == "sliding_attention":
-        theta = cfg.get("rope_local_base_freq", 10000.0)
-    default = 1_000_000.0 if (where, layer_type) == ("gemma3_text", "full_attention") else 10000.0
-    return float(theta if theta is not None else cfg.get("rope_theta", default))
+    elif layer_type != "sliding_attention" and cfg.get("rope_scaling"):
+        params = {**params, **cfg["rope_scaling"]}  # older files: Gemma 3 scales its global layers only
+    return _rope(params, theta, where)
 
 
 def _layer_types(cfg: dict, n: int, default: Callable[[int], bool]) -> list[bool]:
@@ -147,12 +169,12 @@ def traits_from_hf(cfg: dict) -> Traits:
     slides = _sliding_layers(cfg, family, n)
     windows = _windows(cfg, family, slides)
     gemma = family.startswith("gemma")
-    thetas: tuple[float, ...] = ()
     if family == "gemma3_text":
-        local, full = rope_theta(cfg, "sliding_attention"), rope_theta(cfg, "full_attention")
-        thetas = tuple(local if s else full for s in slides)
+        local, full = rope_of(cfg, "sliding_attention"), rope_of(cfg, "full_attention")
+        ropes = tuple(local if s else full for s in slides)
     else:
-        rope_theta(cfg)  # refuses scaled RoPE
+        rope = rope_of(cfg)
+        ropes = () if rope.kind == "default" else (rope,) * n
     return Traits(
         family=family,
         qkv_bias=family == "qwen2",
@@ -164,7 +186,7 @@ def traits_from_hf(cfg: dict) -> Traits:
         attn_softcap=cfg.get("attn_logit_softcapping") if family == "gemma2" else None,
         final_softcap=cfg.get("final_logit_softcapping") if gemma else None,
         windows=windows,
-        rope_thetas=thetas,
+        ropes=ropes,
     )
 
 

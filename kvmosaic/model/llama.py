@@ -18,6 +18,8 @@ from torch import nn
 
 from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
+from .families import Rope
+from .rope_scaling import inv_freq as rope_inv_freq
 from .softcap import softcap_paged_attention
 from .window import layer_view
 
@@ -42,9 +44,9 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables in float32 for every position up to ``max_positions``. The sin table is
     stored with the first half negated, so that :func:`apply_rope` rotates with one ``roll``."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    def __init__(self, head_dim: int, theta: float | Rope, max_positions: int) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        inv_freq = rope_inv_freq(theta if isinstance(theta, Rope) else Rope(float(theta)), head_dim)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
@@ -143,24 +145,25 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.layers[0].norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        # One RoPE table per distinct base (Gemma 3: local and global layers differ)
-        thetas = sorted({cfg.traits.rope_theta(i, cfg.rope_theta) for i in range(cfg.num_layers)} | {cfg.rope_theta})
-        self.rope_thetas = thetas
-        self.rotaries = nn.ModuleList(RotaryEmbedding(cfg.head_dim, t, cfg.max_position_embeddings) for t in thetas)
-        for i, layer in enumerate(self.layers):
-            layer.rope_index = thetas.index(cfg.traits.rope_theta(i, cfg.rope_theta))
+        # One RoPE table per distinct RoPE (Gemma 3: local and global layers differ)
+        ropes = [cfg.traits.rope(i, cfg.rope_theta) for i in range(cfg.num_layers)]
+        self.ropes = list(dict.fromkeys(ropes))
+        self.rotaries = nn.ModuleList(RotaryEmbedding(cfg.head_dim, r, cfg.max_position_embeddings) for r in self.ropes)
+        for layer, rope in zip(self.layers, ropes):
+            layer.rope_index = self.ropes.index(rope)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_proj: nn.Module | None = None  # replaces the plain head product: pack_linears, quant.py
 
     @property
     def rotary(self) -> RotaryEmbedding:
-        """The RoPE table of ``config.rope_theta`` (the only one, but for Gemma 3)."""
-        return self.rotaries[self.rope_thetas.index(self.config.rope_theta)]
+        """The RoPE table of the first full-attention layer (the only table, but for Gemma 3)."""
+        full = next((layer for layer in self.layers if layer.window is None), self.layers[0])
+        return self.rotaries[full.rope_index]
 
     def reset_rotary(self, device: torch.device | str) -> None:
         """Recompute the RoPE tables (buffers not in the weights) on ``device``, in float32."""
-        for rotary, theta in zip(self.rotaries, self.rope_thetas):
-            rotary.__init__(self.config.head_dim, theta, self.config.max_position_embeddings)
+        for rotary, rope in zip(self.rotaries, self.ropes):
+            rotary.__init__(self.config.head_dim, rope, self.config.max_position_embeddings)
             rotary.to(device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
