@@ -1,5 +1,6 @@
-"""GGUF files of the families llama.cpp names (llama, qwen2, qwen3, phi3): kvmosaic's reader
-against transformers, float32 prefill logits at every position.
+"""GGUF files of the families llama.cpp names (llama, qwen2, qwen3, phi3; Llama 3.1's RoPE
+scaling as a ``rope_freqs`` tensor): kvmosaic's reader against transformers, float32 prefill
+logits at every position.
 
 The file is written from a tiny transformers model in llama.cpp's layout (tests/tiny_gguf.py).
 Where transformers' own GGUF reader loads it (llama, qwen2), kvmosaic must match that model too:
@@ -33,12 +34,12 @@ def logits(path: str, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, torch.arange(n), kv, AttentionMetadata(slots, [PrefillSpan(0, n, slots, None)]))
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "phi3"])
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "qwen2", "qwen3", "phi3"])
 def test_gguf_logits_match_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     hf = build(family, tmp_path)
-    gguf_file = write_gguf(hf, family, tmp_path / "model.gguf")
+    gguf_file = write_gguf(hf, "llama" if family.startswith("llama") else family, tmp_path / "model.gguf")
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(3))
     ours = logits(str(gguf_file), ids)
     with torch.no_grad():

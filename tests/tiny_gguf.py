@@ -1,9 +1,10 @@
 """Write a tiny transformers model as a GGUF file the way llama.cpp's converter lays it out
 (header keys, tensor names, Q/K rows permuted for ``llama`` files only), float32 tensors.
-Used to check kvmosaic's GGUF reader against transformers' own GGUF reader."""
+Used to check kvmosaic's GGUF reader against transformers (and its own GGUF reader)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +20,24 @@ HF_TO_GGUF = {
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute``: interleave each head's two RoPE halves."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def llama3_freq_factors(rope: dict, head_dim: int) -> np.ndarray:
+    """llama.cpp's converter for Llama 3.1+: one divisor per frequency (1 for high frequencies,
+    ``factor`` for low ones, a smooth ramp between)."""
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old = rope["original_max_position_embeddings"]
+    out = []
+    for freq in 1.0 / (rope["rope_theta"] ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim)):
+        wavelen = 2 * math.pi / freq
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
 
 
 def write_gguf(hf_model, arch: str, path: Path) -> Path:
@@ -40,6 +59,9 @@ def write_gguf(hf_model, arch: str, path: Path) -> Path:
     w.add_vocab_size(c.vocab_size)
     if getattr(c, "sliding_window", None):
         w.add_sliding_window(c.sliding_window)
+    rope = c.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_freq_factors(rope, c.head_dim))
     for name, t in hf_model.state_dict().items():
         a = t.detach().float().numpy()
         if name == "model.embed_tokens.weight":

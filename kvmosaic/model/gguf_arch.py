@@ -4,11 +4,17 @@ The header becomes a ``config.json``-style dict, so a GGUF model is read into ``
 the same table as a safetensors folder (``families.py``); tensor names map to Hugging Face's.
 llama.cpp permutes Q/K rows for its own RoPE in ``llama`` files only (undone by the loader);
 Phi-3 keeps q/k/v fused (``attn_qkv``) and gate/up fused (``ffn_up``, gate rows first).
+Llama 3.1+ RoPE scaling is a ``rope_freqs`` tensor of per-frequency divisors.
 Gemma files are refused for now: llama.cpp folds ``+1`` into their norms and fixes the
 attention scale and layer pattern in code, not in the header.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
+
+from .config import ModelConfig
+from .families import Rope
 
 # GGUF general.architecture -> Hugging Face model_type
 GGUF_ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
@@ -82,3 +88,11 @@ def hf_tensor_name(arch: str, name: str) -> str | None:
     _, idx, kind, suffix = parts
     hf = "mlp.gate_up_proj" if (arch, kind) == ("phi3", "ffn_up") else LAYER_NAMES[kind]
     return f"model.layers.{idx}.{hf}.{suffix}"
+
+
+def with_freq_factors(cfg: ModelConfig, factors: list[float]) -> ModelConfig:
+    """``cfg`` whose every layer divides its RoPE frequencies by ``factors`` (``rope_freqs``)."""
+    if len(factors) != cfg.head_dim // 2:
+        raise ValueError(f"rope_freqs has {len(factors)} factors, expected head_dim / 2 = {cfg.head_dim // 2}")
+    rope = Rope(cfg.rope_theta, freq_factors=tuple(factors))
+    return replace(cfg, traits=replace(cfg.traits, ropes=(rope,) * cfg.num_layers))

@@ -104,6 +104,9 @@ def _load_gguf(path: Path) -> LoadedWeights:
     cfg = ModelConfig.from_hf_dict(gguf_arch.hf_config(fields, "output.weight" in names))  # refuses first
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # llama.cpp's Llama 3.1+ scaling: per-frequency divisors
+            factors = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1).tolist()
+            cfg = gguf_arch.with_freq_factors(cfg, factors)
         hf = gguf_arch.hf_tensor_name(arch, t.name)
         if hf is None:
             continue
