@@ -56,7 +56,6 @@ def test_gemma3_rope_bases_per_layer_type():
 @pytest.mark.parametrize("cfg, words", [
     ({"model_type": "gpt2", "num_hidden_layers": 2}, "architecture 'gpt2' is not supported; supported: "
                                                      + ", ".join(SUPPORTED)),
-    ({"model_type": "gemma3", "num_hidden_layers": 2}, "vision tower"),
     ({"model_type": "llama", "num_hidden_layers": 2, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}},
      "RoPE type 'yarn' is not supported yet; supported: default, linear, llama3"),
     ({"model_type": "phi3", "num_hidden_layers": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,

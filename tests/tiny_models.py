@@ -39,13 +39,23 @@ FAMILIES = {
                                         rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                                          "full_attention": {"rope_type": "linear", "factor": 8.0,
                                                                             "rope_theta": 1000000.0}})),
+    # Gemma 3 with a vision tower (4B and up): its language model loads, text in and out; a
+    # 128k context, so RoPE rows are computed per step rather than tabled
+    "gemma3-vision": ("Gemma3Config", dict(sliding_window=24, query_pre_attn_scalar=24, sliding_window_pattern=2,
+                                           max_position_embeddings=131072)),
 }
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+              patch_size=14)
 
 
 def hf_config(family: str):
     import transformers
 
     cls_name, overrides = FAMILIES[family]
+    if cls_name == "Gemma3Config":  # multimodal: the text model's config inside
+        return transformers.Gemma3Config(text_config={**COMMON, **overrides}, vision_config=VISION,
+                                         mm_tokens_per_image=4, boi_token_index=269, eoi_token_index=270,
+                                         image_token_index=271)
     return getattr(transformers, cls_name)(**{**COMMON, **overrides})
 
 

