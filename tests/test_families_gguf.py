@@ -1,9 +1,10 @@
-"""GGUF files of the families llama.cpp names (llama, qwen2, qwen3, phi3; Llama 3.1's RoPE
-scaling as a ``rope_freqs`` tensor): kvmosaic's reader against transformers, float32 prefill
-logits at every position.
+"""GGUF files of the families llama.cpp names (llama, qwen2, qwen3, phi3, gemma2, gemma3;
+Llama 3.1's RoPE scaling as a ``rope_freqs`` tensor): kvmosaic's reader against transformers,
+float32 prefill logits at every position.
 
 The file is written from a tiny transformers model in llama.cpp's layout (tests/tiny_gguf.py).
-Where transformers' own GGUF reader loads it (llama, qwen2), kvmosaic must match that model too:
+Where transformers' own GGUF reader loads it (llama, qwen2, gemma2, gemma3), kvmosaic must match
+that model too:
 the layout conventions (names, Q/K permutation) are then checked by code nobody here wrote.
 (transformers 5.23 reads no head_dim for qwen3 and breaks on phi3's pad id in GGUF.)
 """
@@ -22,7 +23,7 @@ from tests.tiny_gguf import write_gguf
 from tests.tiny_models import build
 
 TOL = 1e-4
-HF_READS_IT = {"llama", "qwen2"}
+HF_READS_IT = {"llama", "qwen2", "gemma2", "gemma3"}
 
 
 def logits(path: str, ids: torch.Tensor) -> torch.Tensor:
@@ -34,11 +35,21 @@ def logits(path: str, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, torch.arange(n), kv, AttentionMetadata(slots, [PrefillSpan(0, n, slots, None)]))
 
 
-@pytest.mark.parametrize("family", ["llama", "llama3-rope", "qwen2", "qwen3", "phi3"])
+# Gemma as llama.cpp's header leaves it to code: query_pre_attn_scalar = head_dim (256 here, also
+# transformers' GGUF default), Gemma 3's five local layers in six and local RoPE base 10000
+GEMMA = {
+    "gemma2": ("Gemma2Config", dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24,
+                                    tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1)),
+    "gemma3": ("Gemma3TextConfig", dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=24, num_hidden_layers=7,
+                                        tie_word_embeddings=True, num_attention_heads=2, num_key_value_heads=1)),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "llama3-rope", "qwen2", "qwen3", "phi3", "gemma2", "gemma3"])
 def test_gguf_logits_match_transformers(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    hf = build(family, tmp_path)
+    hf = build(family, tmp_path, spec=GEMMA.get(family))
     gguf_file = write_gguf(hf, "llama" if family.startswith("llama") else family, tmp_path / "model.gguf")
     ids = torch.randint(0, 256, (80,), generator=torch.Generator().manual_seed(3))
     ours = logits(str(gguf_file), ids)

@@ -17,6 +17,10 @@ HF_TO_GGUF = {
 }
 
 
+GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+
+
 def _permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's ``LlamaModel.permute``: interleave each head's two RoPE halves."""
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -54,16 +58,22 @@ def write_gguf(hf_model, arch: str, path: Path) -> Path:
     w.add_key_length(c.head_dim)
     w.add_value_length(c.head_dim)
     w.add_rope_dimension_count(c.head_dim)
-    w.add_rope_freq_base(c.rope_parameters["rope_theta"])
+    rope = c.rope_parameters.get("full_attention", c.rope_parameters)
+    w.add_rope_freq_base(rope["rope_theta"])
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_vocab_size(c.vocab_size)
     if getattr(c, "sliding_window", None):
         w.add_sliding_window(c.sliding_window)
-    rope = c.rope_parameters
+    gemma = arch.startswith("gemma")
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(c.attn_logit_softcapping)
+        w.add_final_logit_softcapping(c.final_logit_softcapping)
     if rope.get("rope_type") == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_freq_factors(rope, c.head_dim))
     for name, t in hf_model.state_dict().items():
         a = t.detach().float().numpy()
+        if gemma and name.endswith("norm.weight"):
+            a = a + 1.0  # llama.cpp's Gemma converter folds the 1 of (1 + w) into the weight
         if name == "model.embed_tokens.weight":
             g = "token_embd.weight"
         elif name == "model.norm.weight":
@@ -75,7 +85,7 @@ def write_gguf(hf_model, arch: str, path: Path) -> Path:
         else:
             _, _, idx, rest = name.split(".", 3)
             module, suffix = rest.rsplit(".", 1)
-            g = f"blk.{idx}.{HF_TO_GGUF[module]}.{suffix}"
+            g = f"blk.{idx}.{(GEMMA_NORMS if gemma and module in GEMMA_NORMS else HF_TO_GGUF)[module]}.{suffix}"
             if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
                 heads = c.num_attention_heads if module == "self_attn.q_proj" else c.num_key_value_heads
                 a = _permute(a, heads)

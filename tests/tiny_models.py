@@ -48,10 +48,10 @@ VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_att
               patch_size=14)
 
 
-def hf_config(family: str):
+def hf_config(family: str, spec: tuple[str, dict] | None = None):
     import transformers
 
-    cls_name, overrides = FAMILIES[family]
+    cls_name, overrides = spec or FAMILIES[family]
     if cls_name == "Gemma3Config":  # multimodal: the text model's config inside
         return transformers.Gemma3Config(text_config={**COMMON, **overrides}, vision_config=VISION,
                                          mm_tokens_per_image=4, boi_token_index=269, eoi_token_index=270,
@@ -75,16 +75,17 @@ def save_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def build(family: str, path: Path, seed: int = 0):
+def build(family: str, path: Path, seed: int = 0, spec: tuple[str, dict] | None = None):
     """Save the family's tiny model (and tokenizer) to ``path``; return transformers' model, in
-    float32 eval mode, as loaded back from that folder."""
+    float32 eval mode, as loaded back from that folder. ``spec``: (config class, overrides)
+    instead of the family's row of ``FAMILIES``."""
     from transformers import AutoModelForCausalLM
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(hf_config(family), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(hf_config(family, spec), dtype=torch.float32)
         gemma = family.startswith("gemma")
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():

@@ -56,5 +56,5 @@ def load_model_bundle(model: str | None, dtype: str, device: str, quantization: 
     built = build_model(weights, DTYPES[dtype], device, quantization)
     tokenizer = load_tokenizer(weights.tokenizer_dir, weights.gguf_file)
     fingerprint = quantized_fingerprint(weights.fingerprint, quantization)
-    stops = stop_token_ids(tokenizer, None if weights.gguf_file else weights.tokenizer_dir)
+    stops = stop_token_ids(tokenizer, None if weights.gguf_file else weights.tokenizer_dir) + weights.stop_token_ids
     return ModelBundle(built, tokenizer, weights.config, fingerprint, weights.name, stops)

