@@ -246,10 +246,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_tokenizer_only(model: str | None):
+    from .model.hub import resolve_model
     from .model.loader import shipped_model_path
     from .model.tokenizer import load_tokenizer
 
-    path = Path(model or shipped_model_path())
+    path = Path(resolve_model(model) or shipped_model_path())
     if path.is_file():
         return load_tokenizer(str(path.parent), path.name)
     return load_tokenizer(str(path), None)

