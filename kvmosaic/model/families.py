@@ -16,6 +16,9 @@ gemma2     -       -       (1+w), pre and post   GeGLU     qpas, capped  layer_t
 gemma3     -       (1+w)   (1+w), pre and post   GeGLU     qpas          layer_types (5 : 1), local RoPE base
 ========== ======= ======= ===================== ========= ============= =====================
 
+(``gemma3``, the multimodal checkpoint, loads its language model: ``text_config``, text in and
+out.) RoPE may be scaled ``linear`` or ``llama3`` (:class:`Rope`), per layer type for Gemma 3.
+
 (``qpas``: ``query_pre_attn_scalar ** -0.5``; Gemma also scales embeddings by sqrt(hidden), and
 Gemma 2 caps final logits.) A window ``W`` means the query at position ``p`` sees keys at
 ``p - W < j <= p``, as transformers' ``sliding_window_overlay``. Anything the table cannot
