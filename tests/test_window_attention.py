@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvmosaic.model import softcap as softcap_module
 from kvmosaic.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefix, paged_attention
 from kvmosaic.model.softcap import softcap_paged_attention
 from kvmosaic.model.window import layer_view
@@ -44,7 +45,8 @@ def make_step(g):
 
 @pytest.mark.parametrize("window", [None, 3, 7, 16, 100])
 @pytest.mark.parametrize("softcap", [None, 2.0])
-def test_windowed_attention_matches_dense(window, softcap):
+def test_windowed_attention_matches_dense(window, softcap, monkeypatch):
+    monkeypatch.setattr(softcap_module, "QUERY_CHUNK", 4)  # several query chunks per span
     g = torch.Generator().manual_seed(window or 0)
     pool_k, pool_v, meta, contexts = make_step(g)
     q = torch.randn(18, H, D, generator=g)
