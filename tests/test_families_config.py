@@ -93,3 +93,20 @@ def test_segment_reuse_refused_for_windowed_models(tmp_path):
     with pytest.raises(ValueError, match="segment reuse is not supported for gemma3_text models"):
         EngineConfig(model=str(tmp_path), segment_reuse="blend")
     EngineConfig(model=str(tmp_path))  # the model itself is accepted
+
+
+def test_multimodal_gemma3_text_config_filled_with_transformers_defaults():
+    """gemma-3-4b-it's config.json lists six keys of its text model; the rest are defaults."""
+    from kvmosaic.model.config import ModelConfig
+
+    cfg = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                           "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    mc = ModelConfig.from_hf_dict(cfg)
+    assert (mc.num_heads, mc.num_kv_heads, mc.head_dim, mc.vocab_size) == (8, 4, 256, 262208)
+    t = mc.traits
+    assert t.windows == tuple(None if (i + 1) % 6 == 0 else 1024 for i in range(34))
+    assert {(r.theta, r.kind, r.factor) for r in t.ropes} == {(10000.0, "default", 1.0), (1e6, "linear", 8.0)}
+    assert t.attn_scale == 256**-0.5 and t.embed_scale == 2560**0.5 and mc.tie_word_embeddings

@@ -158,12 +158,18 @@ TEXT_TOWERS = {"gemma3": ("gemma3_text", ("language_model.model.", "model.langua
 
 
 def text_config(cfg: dict) -> dict:
-    """The language model's config of a multimodal checkpoint (``TEXT_TOWERS``), else ``cfg``."""
+    """The language model's config of a multimodal checkpoint (``TEXT_TOWERS``), else ``cfg``.
+    Published files list only what differs from the defaults there (gemma-3-4b-it: six keys), so
+    the rest is filled in by transformers' own config class."""
     if cfg.get("model_type") not in TEXT_TOWERS or "text_config" not in cfg:
         return cfg
-    text = dict(cfg["text_config"])
-    text["model_type"] = TEXT_TOWERS[cfg["model_type"]][0]
-    text.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    from transformers import AutoConfig
+
+    model_type = TEXT_TOWERS[cfg["model_type"]][0]
+    given = {k: v for k, v in cfg["text_config"].items() if k != "model_type"}
+    given.setdefault("tie_word_embeddings", cfg.get("tie_word_embeddings", True))
+    text = AutoConfig.for_model(model_type, **given).to_dict()
+    text["model_type"] = model_type
     return text
 
 
