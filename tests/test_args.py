@@ -16,7 +16,8 @@ from kvmosaic.server.cli import add_arguments
 
 # A value other than the default for every engine field, as a user would type it.
 ENGINE_FLAGS = {
-    "model": ["--model", "{gguf}"], "dtype": ["--dtype", "float32"], "device": ["--device", "cpu"],
+    "model": ["--model", "{gguf}"], "chat_template": ["--chat-template", "{tmp}/template.jinja"],
+    "dtype": ["--dtype", "float32"], "device": ["--device", "cpu"],
     "quantization": ["--quantization", "int8"], "block_size": ["--block-size", "32"],
     "num_kv_blocks": ["--num-kv-blocks", "77"], "kv_cache_memory": ["--kv-cache-memory", "2G"],
     "max_num_batched_tokens": ["--max-num-batched-tokens", "1024"], "max_num_seqs": ["--max-num-seqs", "9"],
@@ -44,6 +45,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 @pytest.fixture
 def argv(shipped_gguf, tmp_path) -> list[str]:
+    (tmp_path / "template.jinja").write_text("{{ messages[0].content }}")
     return [a.format(gguf=shipped_gguf, tmp=tmp_path) for flags in ENGINE_FLAGS.values() for a in flags]
 
 

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
 
 from ..model.config import DTYPES
+from ..model.families import check_model
+from ..model.hub import resolve_model
 from ..model.quant import QUANTIZATIONS
 from .arg_utils import PREFIX_CACHES, EngineArgs
 
@@ -56,6 +59,13 @@ class EngineConfig(EngineArgs):
                 parse_tier_spec(spec)  # raises ValueError on a bad spec
         if self.segment_separator is not None and not self.segment_separator.strip():
             raise ValueError("segment_separator must be a non-blank string")
+        if self.chat_template is not None and not os.path.isfile(self.chat_template):
+            raise ValueError(f"chat template file {self.chat_template!r} does not exist")
+        self.model = resolve_model(self.model)  # org/name: its folder in the local HF cache
+        traits = check_model(self.model)  # its architecture, from its config alone
+        if traits is not None and self.segment_reuse != "off" and not traits.segment_reuse_ok:
+            raise ValueError(f"segment reuse is not supported for {traits.family} models "
+                             "(sliding windows, capped scores or scaled embeddings)")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -30,6 +30,7 @@ from ..kv.connector import KVConnector
 from ..kv.paged import PagedKVCache
 from ..kv.tiered import make_tier_connector
 from ..model import load_model_bundle
+from ..model.tokenizer import with_chat_template
 from .config import EngineConfig
 from .input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from .model_runner import ModelRunner, StepResult
@@ -107,7 +108,7 @@ class LLMEngine:
         self.threads = (ThreadBudget(config.num_threads or DEFAULT_THREADS)
                         if config.adaptive_threads and self.device.type == "cpu" else None)
         bundle = load_model_bundle(config.model, config.dtype, str(self.device), config.quantization)
-        self.model, self.tokenizer = bundle.model, bundle.tokenizer
+        self.model, self.tokenizer = bundle.model, with_chat_template(bundle.tokenizer, config.chat_template)
         self.model_name, self.model_config = bundle.name, bundle.config
         self.model_fingerprint = bundle.fingerprint
         cfg = self.model_config
@@ -138,7 +139,8 @@ class LLMEngine:
                                           self.tiers.stack if self.tiers is not None else None)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, num_blocks,
                                      config.block_size, config.segment_separator)
-        self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id, self.max_model_len,
+                                       bundle.stop_token_ids)
         self.model_info = ModelInfo(self.model_name, self.model_fingerprint, config.dtype, config.block_size,
                                     config.hash_algo, self.max_model_len, num_blocks, self.kv.bytes_per_token,
                                     seed, config.prefix_cache, config.quantization)

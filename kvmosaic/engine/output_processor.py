@@ -49,9 +49,12 @@ FAULT_ENV = "KVMOSAIC_FAULT_INJECTION"
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer, eos_token_id: int | None, max_model_len: int) -> None:
+    def __init__(self, tokenizer, eos_token_id: int | None, max_model_len: int,
+                 extra_eos_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.eos_token_id = eos_token_id
+        # every id that ends a generation as EOS does (the model's generation_config.json)
+        self.eos_ids = frozenset((() if eos_token_id is None else (eos_token_id,)) + tuple(extra_eos_ids))
         self.max_model_len = max_model_len
         self.fault_marker: str | None = os.environ.get(FAULT_ENV) or None
 
@@ -61,8 +64,8 @@ class OutputProcessor:
         p = seq.params
         if self.fault_marker and seq.prompt and self.fault_marker in seq.prompt and len(seq.output_token_ids) >= 3:
             raise InjectedFault(f"injected fault in request {seq.request_id}")
-        if (tok == self.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids:
-            seq.finish_reason, seq.stop_reason = "stop", (None if tok == self.eos_token_id else tok)
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", (None if tok in self.eos_ids else tok)
             seq.output_text = self.detokenize(seq.output_token_ids[:-1])
             return
         checked = len(seq.output_text)

@@ -10,7 +10,7 @@ from .llama import LlamaForCausalLM
 from .loader import LoadedWeights, load_weights, shipped_model_path
 from .packed_linear import packing_supported
 from .quant import QUANTIZATIONS, quantize_int8, quantized_fingerprint
-from .tokenizer import load_tokenizer
+from .tokenizer import load_tokenizer, stop_token_ids
 
 __all__ = [
     "ModelConfig", "LlamaForCausalLM", "LoadedWeights", "ModelBundle",
@@ -27,11 +27,9 @@ def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.
     with torch.device("meta"):
         model = LlamaForCausalLM(weights.config)
     model = model.to_empty(device=device)
-    model.rotary.__init__(weights.config.head_dim, weights.config.rope_theta, weights.config.max_position_embeddings)
-    model.rotary.to(device)
     model.load_hf_tensors(weights.tensors)
     model.to(dtype)
-    model.rotary.float()  # RoPE tables stay float32, as in transformers
+    model.reset_rotary(device)  # RoPE tables stay float32, as in transformers
     if quantization == "int8":
         quantize_int8(model)
     elif packing_supported(dtype, torch.device(device)):
@@ -49,6 +47,7 @@ class ModelBundle:
     config: ModelConfig
     fingerprint: str  # of the weights as computed with: quantization included
     name: str
+    stop_token_ids: tuple[int, ...] = ()  # EOS and the model's other end-of-generation ids
 
 
 @functools.lru_cache(maxsize=2)
@@ -57,4 +56,5 @@ def load_model_bundle(model: str | None, dtype: str, device: str, quantization: 
     built = build_model(weights, DTYPES[dtype], device, quantization)
     tokenizer = load_tokenizer(weights.tokenizer_dir, weights.gguf_file)
     fingerprint = quantized_fingerprint(weights.fingerprint, quantization)
-    return ModelBundle(built, tokenizer, weights.config, fingerprint, weights.name)
+    stops = stop_token_ids(tokenizer, None if weights.gguf_file else weights.tokenizer_dir) + weights.stop_token_ids
+    return ModelBundle(built, tokenizer, weights.config, fingerprint, weights.name, stops)

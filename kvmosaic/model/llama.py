@@ -1,5 +1,7 @@
 """A Llama-family decoder (RMSNorm, RoPE, grouped-query attention, SwiGLU) that reads and
-writes its KV through the paged pool.
+writes its KV through the paged pool. The other families (Qwen2/3, Mistral, Phi-3, Gemma 2/3)
+run the same decoder, switched by ``config.traits`` (``model/families.py``); Gemma's layer
+(``model/gemma.py``) overrides only its norms and where they sit.
 
 Q/K/V and gate/up projections are fused into one weight each, so a layer is four GEMMs over
 the whole packed batch. Numerics follow Hugging Face's Llama (norms in float32, RoPE tables
@@ -12,6 +14,8 @@ torch operators otherwise, with the same roundings).
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -19,6 +23,12 @@ from torch import nn
 from . import kernels
 from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
+from .families import Rope
+from .rope_scaling import inv_freq as rope_inv_freq
+from .softcap import softcap_paged_attention
+from .window import layer_view
+
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
 
 class RMSNorm(nn.Module):
@@ -42,19 +52,34 @@ class RMSNorm(nn.Module):
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables in float32 for every position up to ``max_positions``. The sin table is
-    stored with the first half negated, so that :func:`apply_rope` rotates with one ``roll``."""
+    stored with the first half negated, so that :func:`apply_rope` rotates with one ``roll``.
+    Past ``MAX_TABLE`` positions (128k-context models: a table would take hundreds of MB) the
+    step's rows are computed from the frequencies instead, by the same float32 products."""
 
-    def __init__(self, head_dim: int, theta: float, max_positions: int) -> None:
+    MAX_TABLE = 32768
+
+    def __init__(self, head_dim: int, theta: float | Rope, max_positions: int) -> None:
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
+        inv_freq = rope_inv_freq(theta if isinstance(theta, Rope) else Rope(float(theta)), head_dim)
         sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
-        self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("signed_sin", emb.sin() * sign, persistent=False)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("sign", sign, persistent=False)
+        self.tabled = max_positions <= self.MAX_TABLE
+        cos, signed_sin = self._rows(torch.arange(max_positions if self.tabled else 0))
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("signed_sin", signed_sin, persistent=False)
+
+    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        emb = (positions.to(torch.float32)[:, None] * self.inv_freq[None, :]).repeat(1, 2)
+        return emb.cos(), emb.sin() * self.sign
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and signed sin at ``positions``, float32 ``[T, D]``."""
+        return (self.cos[positions], self.signed_sin[positions]) if self.tabled else self._rows(positions)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.cos[positions].to(dtype)[:, None, :], self.signed_sin[positions].to(dtype)[:, None, :]
+        cos, sin = self.rows(positions)
+        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
 
 
 class RopeAt:
@@ -65,7 +90,7 @@ class RopeAt:
 
     @classmethod
     def at(cls, rotary: RotaryEmbedding, positions: torch.Tensor) -> RopeAt:
-        return cls(rotary.cos[positions], rotary.signed_sin[positions])
+        return cls(*rotary.rows(positions))
 
     def select(self, index: torch.Tensor) -> RopeAt:
         return RopeAt(self.cos[index], self.signed_sin[index])
@@ -90,8 +115,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
 
 
 class DecoderLayer(nn.Module):
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
         super().__init__()
+        traits, norm = cfg.traits, self.norm_class
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
@@ -99,44 +127,62 @@ class DecoderLayer(nn.Module):
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=False)
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.split_qk_v = (q + kv, kv)
-        self.scale = cfg.head_dim**-0.5
+        self.scale = traits.attn_scale or cfg.head_dim**-0.5
+        # Family switches (families.Traits); biases kept apart so packed/int8 projections stay bias-free
+        self.qkv_bias = nn.Parameter(torch.zeros(q + 2 * kv)) if traits.qkv_bias else None
+        self.q_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
+        self.k_norm = norm(cfg.head_dim, cfg.rms_norm_eps) if traits.qk_norm else None
+        self.act = ACTIVATIONS[traits.activation]
+        self.window, self.softcap = traits.window(layer_idx), traits.attn_softcap
+        self.rope_index = 0  # which of the model's RoPE tables (set by the model)
 
     def qkv(self, h: torch.Tensor, rope: RopeAt):
         """Normed input -> rotated q ``[T, H, D]``, rotated k and v ``[T, Hkv, D]`` (q and k are
         rotated together: one pass per layer, not two)."""
         qkv = self.qkv_proj(h)
-        qk = rope.apply_(qkv[:, : self.split_qk_v[0]].view(-1, self.num_heads + self.num_kv_heads, self.head_dim))
-        q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+        if self.qkv_bias is not None:
+            qkv = qkv + self.qkv_bias
+        qk = qkv[:, : self.split_qk_v[0]].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = rope.apply_(qk).split((self.num_heads, self.num_kv_heads), dim=1)
         return q, k, qkv[:, self.split_qk_v[0] :].view(-1, self.num_kv_heads, self.head_dim)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act(gate) * up)
+
+    def attend(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over the pool; ``meta`` is this layer's view (window applied, see
+        :meth:`LlamaForCausalLM.forward`)."""
+        k, v = kv.k[self.layer_idx], kv.v[self.layer_idx]
+        if self.softcap is not None:
+            return softcap_paged_attention(q, k, v, meta, self.scale, self.softcap)
+        return paged_attention(q, k, v, meta, self.scale)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeAt, kv: PagedKV,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer over the residual stream: ``x`` is the previous layer's MLP output and
-        ``residual`` the stream before it (None at the first layer, where ``x`` is the stream
-        itself and becomes ``residual``, updated in place). Returns (MLP output, stream): the
-        hidden state is their sum."""
+                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """One layer over the residual stream. The hidden state is ``x + residual`` (``x`` alone
+        when ``residual`` is None, e.g. at the first layer); ``residual`` is updated in place.
+        Returns (sublayer output, stream), whose sum is the layer's hidden state."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual)
         q, k, v = self.qkv(h, rope)
         kv.write(self.layer_idx, meta.slot_mapping, k, v)
-        attn = paged_attention(q, kv.k[self.layer_idx], kv.v[self.layer_idx], meta, self.scale)
-        h = self.post_attention_layernorm(self.o_proj(attn.flatten(1)), residual)
+        h = self.post_attention_layernorm(self.o_proj(self.attend(q, kv, meta).flatten(1)), residual)
         return self.mlp(h), residual
 
     def hidden(self, x: torch.Tensor, rope: RopeAt, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
-        """The layer on a hidden state (``x`` left as it is): the layer-by-layer API of
-        segment reuse (``blend/forward.py``)."""
+        """The layer from a hidden state to the next (``x`` left as it is): the layer-by-layer
+        API of segment reuse (``blend/forward.py``)."""
         out, residual = self(x.clone(), None, rope, kv, meta)
-        return out + residual
+        return out if residual is None else out + residual
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """From a layer's attention output to its hidden state, ``x`` being the layer's input
@@ -146,26 +192,61 @@ class DecoderLayer(nn.Module):
         return residual + self.mlp(h)
 
 
+def decoder_layer(cfg: ModelConfig, layer_idx: int) -> DecoderLayer:
+    """The family's layer: Gemma's where its norms are Gemma's, else the Llama layer."""
+    if cfg.traits.gemma_norms:
+        from .gemma import GemmaDecoderLayer
+
+        return GemmaDecoderLayer(cfg, layer_idx)
+    return DecoderLayer(cfg, layer_idx)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position_embeddings)
+        self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = self.layers[0].norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        # One RoPE table per distinct RoPE (Gemma 3: local and global layers differ)
+        ropes = [cfg.traits.rope(i, cfg.rope_theta) for i in range(cfg.num_layers)]
+        self.ropes = list(dict.fromkeys(ropes))
+        self.rotaries = nn.ModuleList(RotaryEmbedding(cfg.head_dim, r, cfg.max_position_embeddings) for r in self.ropes)
+        for layer, rope in zip(self.layers, ropes):
+            layer.rope_index = self.ropes.index(rope)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_proj: nn.Module | None = None  # replaces the plain head product: pack_linears, quant.py
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The RoPE table of the first full-attention layer (the only table, but for Gemma 3)."""
+        full = next((layer for layer in self.layers if layer.window is None), self.layers[0])
+        return self.rotaries[full.rope_index]
+
+    def reset_rotary(self, device: torch.device | str) -> None:
+        """Recompute the RoPE tables (buffers not in the weights) on ``device``, in float32."""
+        for rotary, rope in zip(self.rotaries, self.ropes):
+            rotary.__init__(self.config.head_dim, rope, self.config.max_position_embeddings)
+            rotary.to(device)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings, scaled where the family scales them (Gemma: sqrt(hidden), rounded
+        to the weights' dtype as transformers does)."""
+        x = self.embed_tokens(input_ids)
+        scale = self.config.traits.embed_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype, device=x.device)
 
     @property
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head, in float32 logits."""
+        """Final norm and LM head, in float32 logits (capped where the family caps them)."""
         head = self.head_proj
         h = self.norm(hidden)
-        return (head(h) if head is not None else F.linear(h, self.output_weight)).float()
+        logits = (head(h) if head is not None else F.linear(h, self.output_weight)).float()
+        cap = self.config.traits.final_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def pack_linears(self) -> int:
         """Swap every projection (and the LM head) for a oneDNN pre-packed one where that
@@ -193,19 +274,31 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Run the packed batch; return logits only at ``logits_index`` (all tokens if None),
         which skips the vocabulary projection for every prompt token but the last."""
-        x = self.embed_tokens(input_ids)
-        rope = RopeAt.at(self.rotary, positions)
+        x = self.embed(input_ids)
+        ropes = [RopeAt.at(rotary, positions) for rotary in self.rotaries]
+        views: dict[int | None, AttentionMetadata] = {}  # per window, built once per step
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, kv, meta)
-        x = x + residual
+            m = meta
+            if layer.window is not None or layer.softcap is not None:
+                if layer.window not in views:
+                    views[layer.window] = layer_view(meta, layer.window)
+                m = views[layer.window]
+            x, residual = layer(x, residual, ropes[layer.rope_index], kv, m)
+        if residual is not None:
+            x = x + residual
         if logits_index is not None:
             x = x.index_select(0, logits_index)
         return self.compute_logits(x)
 
     def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Load Hugging Face Llama names, fusing q/k/v and gate/up."""
+        """Load Hugging Face names, fusing q/k/v and gate/up (or taking them fused, as Phi-3
+        stores them); every norm of a layer is read by its own name."""
         t = lambda name: tensors[name]  # noqa: E731
+
+        def fused(name: str, parts: list[str]) -> torch.Tensor:
+            return t(name) if name in tensors else torch.cat([t(n) for n in parts])
+
         with torch.no_grad():
             self.embed_tokens.weight.copy_(t("model.embed_tokens.weight"))
             self.norm.weight.copy_(t("model.norm.weight"))
@@ -213,9 +306,13 @@ class LlamaForCausalLM(nn.Module):
                 self.lm_head.weight.copy_(t("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
-                layer.qkv_proj.weight.copy_(torch.cat([t(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                layer.o_proj.weight.copy_(t(p + "self_attn.o_proj.weight"))
-                layer.gate_up_proj.weight.copy_(torch.cat([t(p + "mlp.gate_proj.weight"), t(p + "mlp.up_proj.weight")]))
-                layer.down_proj.weight.copy_(t(p + "mlp.down_proj.weight"))
-                layer.input_layernorm.weight.copy_(t(p + "input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(t(p + "post_attention_layernorm.weight"))
+                a, m = p + "self_attn.", p + "mlp."
+                layer.qkv_proj.weight.copy_(fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]))
+                if layer.qkv_bias is not None:
+                    layer.qkv_bias.copy_(torch.cat([t(a + f"{n}_proj.bias") for n in "qkv"]))
+                layer.o_proj.weight.copy_(t(a + "o_proj.weight"))
+                layer.gate_up_proj.weight.copy_(fused(m + "gate_up_proj.weight", [m + "gate_proj.weight", m + "up_proj.weight"]))
+                layer.down_proj.weight.copy_(t(m + "down_proj.weight"))
+                for name, module in layer.named_children():
+                    if isinstance(module, RMSNorm):
+                        module.weight.copy_(t((a if name in ("q_norm", "k_norm") else p) + name + ".weight"))

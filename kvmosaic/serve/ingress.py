@@ -89,7 +89,7 @@ class OpenAIIngress:
         self.args = server_args
         self.tenants = server_args.tenant_policy()
         self.drain = Drain(server_args.shutdown_timeout)
-        self.tokenizer = tokenizer_for(engine_args.model)
+        self.tokenizer = tokenizer_for(engine_args.model, engine_args.chat_template)
 
     def __serve_build_asgi_app__(self):
         from .front import build_front
