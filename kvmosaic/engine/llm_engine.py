@@ -9,6 +9,14 @@ Callers outside the engine (the server, the ``LLM`` API) use only the public met
 fields below: ``add_request`` / ``add_processed``, ``abort_request``, ``step``,
 ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_stats``, ``model_info``,
 ``tokenizer``, ``max_model_len``, ``inputs``, ``events``.
+
+Parallel sampling (``SamplingParams.n > 1``): the request runs alone until its prompt is
+computed; at its first sample the engine forks ``n - 1`` more sequences, named
+:meth:`LLMEngine.child_request_ids`, that hold the prompt's KV (``Scheduler.fork``: full
+blocks shared, the partial one copied) and draw their first token from the same logits row.
+So the prompt is computed once, whatever ``n``. A parent that ends before its fork (failed,
+dropped) ends its samples with it; one whose pool has no block left for a copy queues that
+sample as a new request (it then hits the prefix cache).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -32,6 +40,7 @@ from ..kv.tiered import make_tier_connector
 from ..model import load_model_bundle
 from .config import EngineConfig
 from .input_processor import InputProcessor, ProcessedPrompt, PromptInput
+from .logits_processors import apply_logits_processors
 from .model_runner import ModelRunner, StepResult
 from .output_processor import OutputProcessor, RequestOutput
 from .sampler import sample_rows, top_logprobs
@@ -140,6 +149,8 @@ class LLMEngine:
                                     config.hash_algo, self.max_model_len, num_blocks, self.kv.bytes_per_token,
                                     seed, config.prefix_cache, config.quantization)
         self.requests: dict[str, Sequence] = {}
+        self._unforked: dict[str, list[str]] = {}  # parent (n > 1) -> samples still to fork
+        self._orphans: list[RequestOutput] = []  # samples ended with a parent that never forked
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -173,20 +184,36 @@ class LLMEngine:
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
+        params = params or SamplingParams()
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is out of the vocabulary "
+                             f"(ids must be in [0, {vocab}))")
         seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params or SamplingParams(),
                        processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks,
                        tenant=tenant)
         seq.segments = processed.segments if self.segment_reuse.enabled else None
         self.requests[request_id] = seq
+        if seq.params.n > 1:
+            self._unforked[request_id] = self.child_request_ids(request_id, seq.params.n)
         self.scheduler.add(seq)
         return seq
+
+    @staticmethod
+    def child_request_ids(request_id: str, n: int) -> list[str]:
+        """The ids of the samples 1..n-1 that a request with ``n`` samples forks."""
+        return [f"{request_id}-{j}" for j in range(1, n)]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; its final output, or None if it was unknown
         or already finished."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
+            for pending in self._unforked.values():  # a sample not forked yet: it never will be
+                if request_id in pending:
+                    pending.remove(request_id)
             return None
+        self._unforked.pop(request_id, None)
         self.scheduler.abort(request_id)
         seq.finish_reason = "abort"
         return self.outputs.make_output(seq)
@@ -213,6 +240,8 @@ class LLMEngine:
             self.scheduler.update(sched)
             outputs += [self._fail(*f) for f in failed]
             outputs += self._process_samples(result)
+        if self._orphans:
+            outputs, self._orphans = outputs + self._orphans, []
         return outputs
 
     def _fail(self, seq: Sequence, message: str, reason: str) -> RequestOutput:
@@ -221,7 +250,41 @@ class LLMEngine:
         self.scheduler.finish(seq, "error")
         seq.finish_time = time.perf_counter()
         self.requests.pop(seq.request_id, None)
+        self._end_unforked(seq, message, reason)
         return self.outputs.make_output(seq, error=message, error_reason=reason)
+
+    def _end_unforked(self, parent: Sequence, error: str | None = None, reason: str | None = None) -> None:
+        """A parent that ends before its fork ends its samples too, the same way."""
+        for cid in self._unforked.pop(parent.request_id, ()):
+            child = self._child(parent, cid)
+            child.status, child.finish_reason, child.finish_time = parent.status, parent.finish_reason, parent.finish_time
+            self._orphans.append(self.outputs.make_output(child, error=error, error_reason=reason))
+
+    @staticmethod
+    def _child(parent: Sequence, child_id: str) -> Sequence:
+        """Sample ``index`` of ``parent`` (its id's suffix, see :meth:`child_request_ids`); a
+        seeded parent's sample ``j`` draws with seed ``seed + j``."""
+        index = int(child_id.rsplit("-", 1)[1])
+        p = parent.params
+        params = replace(p, n=1, seed=None if p.seed is None else (p.seed + index) % 2**63)
+        child = Sequence(child_id, parent.prompt, parent.prompt_token_ids, params, parent.cache_salt,
+                         parent.adapter_id, parent.priority, public_blocks=parent.public_blocks, tenant=parent.tenant,
+                         arrival_time=parent.arrival_time)
+        child.parent_id, child.index = parent.request_id, index
+        return child
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: the parent's samples, forked now that its prompt is computed; the
+        ones that hold its KV (returned) sample from its logits row in this step."""
+        forked = []
+        for cid in self._unforked.pop(parent.request_id, ()):
+            child = self._child(parent, cid)
+            self.requests[cid] = child
+            if self.scheduler.fork(parent, child):
+                forked.append(child)
+            else:  # no block for its copy: a new request, which hits the prefix cache
+                self.scheduler.add(child)
+        return forked
 
     def _execute(self, sched: SchedulerOutput, failed: list | None = None) -> StepResult:
         copies = self.cache.take_pending_copies()
@@ -256,12 +319,19 @@ class LLMEngine:
         seqs = [s.seq for s in result.sampling]
         if not seqs:
             return []
-        logits = result.logits
+        rows = list(range(len(seqs)))
+        for i, seq in enumerate(list(seqs)):
+            if seq.request_id in self._unforked:
+                children = self._fork(seq)
+                seqs += children
+                rows += [i] * len(children)
+        raw = result.logits if len(rows) == len(result.sampling) else result.logits[rows]
+        logits = apply_logits_processors(raw, seqs, self.outputs.eos_token_id)
         for seq in seqs:  # a seeded request's generator lives on the logits' device
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed)
         tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        lps = top_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
+        lps = top_logprobs(raw, tokens, [s.params.logprobs for s in seqs])  # vLLM: the raw distribution
         now = time.perf_counter()
         outputs = []
         for seq, tok, lp in zip(seqs, tokens, lps):
@@ -281,7 +351,8 @@ class LLMEngine:
     def _process_one(self, seq: Sequence, tok: int, lp: dict | None, now: float) -> RequestOutput:
         if seq.first_token_time is None:
             seq.first_token_time = now
-            self.prompt_tokens += seq.num_prompt_tokens
+            if seq.parent_id is None:  # a forked sample computed no prompt token
+                self.prompt_tokens += seq.num_prompt_tokens
         seq.append_token(tok)
         self.generation_tokens += 1
         if lp is not None:
@@ -296,6 +367,7 @@ class LLMEngine:
         """A finished sequence (its blocks already freed by the scheduler) leaves the engine."""
         seq.finish_time = time.perf_counter()
         self.requests.pop(seq.request_id, None)
+        self._end_unforked(seq)
         return self.outputs.make_output(seq)
 
     # ---- cache control and stats ---------------------------------------------------------

@@ -32,6 +32,9 @@ class RequestOutput:
     # short reason for metrics ("sampling", "output_processing", "step").
     error: str | None = None
     error_reason: str | None = None
+    # Parallel sampling: the choice index, and the request whose prompt this sample forked from.
+    index: int = 0
+    parent_request_id: str | None = None
 
     @property
     def num_computed_tokens(self) -> int:
@@ -63,10 +66,10 @@ class OutputProcessor:
             raise InjectedFault(f"injected fault in request {seq.request_id}")
         if (tok == self.eos_token_id and not p.ignore_eos) or tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", (None if tok == self.eos_token_id else tok)
-            seq.output_text = self.detokenize(seq.output_token_ids[:-1])
+            seq.output_text = self.detokenize(seq.output_token_ids[:-1], p.skip_special_tokens)
             return
         checked = len(seq.output_text)
-        seq.output_text = self.detokenize(seq.output_token_ids)
+        seq.output_text = self.detokenize(seq.output_token_ids, p.skip_special_tokens)
         for stop in p.stop:
             # Only the new tail can hold a new match: the text before it was checked already.
             idx = seq.output_text.find(stop, max(0, checked - len(stop) + 1))
@@ -78,8 +81,8 @@ class OutputProcessor:
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @staticmethod
     def make_output(seq: Sequence, error: str | None = None, error_reason: str | None = None) -> RequestOutput:
@@ -100,4 +103,6 @@ class OutputProcessor:
                      "num_preemptions": seq.num_preemptions},
             error=error,
             error_reason=error_reason,
+            index=seq.index,
+            parent_request_id=seq.parent_id,
         )
