@@ -47,6 +47,7 @@ from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence
+from .structured import GrammarFactory, apply_grammars
 
 logger = logging.getLogger("kvmosaic.engine")
 
@@ -148,6 +149,7 @@ class LLMEngine:
         self.model_info = ModelInfo(self.model_name, self.model_fingerprint, config.dtype, config.block_size,
                                     config.hash_algo, self.max_model_len, num_blocks, self.kv.bytes_per_token,
                                     seed, config.prefix_cache, config.quantization)
+        self.grammars = GrammarFactory(self.tokenizer, cfg.vocab_size)
         self.requests: dict[str, Sequence] = {}
         self._unforked: dict[str, list[str]] = {}  # parent (n > 1) -> samples still to fork
         self._orphans: list[RequestOutput] = []  # samples ended with a parent that never forked
@@ -189,9 +191,11 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is out of the vocabulary "
                              f"(ids must be in [0, {vocab}))")
-        seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params or SamplingParams(),
+        grammar = self.grammars.matcher(params.json_schema) if params.json_schema is not None else None
+        seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params,
                        processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks,
                        tenant=tenant)
+        seq.grammar = grammar
         seq.segments = processed.segments if self.segment_reuse.enabled else None
         self.requests[request_id] = seq
         if seq.params.n > 1:
@@ -279,6 +283,7 @@ class LLMEngine:
         forked = []
         for cid in self._unforked.pop(parent.request_id, ()):
             child = self._child(parent, cid)
+            child.grammar = parent.grammar.deep_copy() if parent.grammar is not None else None
             self.requests[cid] = child
             if self.scheduler.fork(parent, child):
                 forked.append(child)
@@ -327,6 +332,7 @@ class LLMEngine:
                 rows += [i] * len(children)
         raw = result.logits if len(rows) == len(result.sampling) else result.logits[rows]
         logits = apply_logits_processors(raw, seqs, self.outputs.eos_token_id)
+        logits = apply_grammars(logits, [s.grammar for s in seqs])
         for seq in seqs:  # a seeded request's generator lives on the logits' device
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed)
@@ -358,6 +364,10 @@ class LLMEngine:
         if lp is not None:
             seq.output_logprobs.append(lp)
         self.outputs.check_stop(seq, tok)
+        if seq.grammar is not None and seq.finish_reason is None:
+            seq.grammar.consume_token(tok)
+            if seq.grammar.is_stopped():  # the document is complete: nothing more may follow
+                seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             self.scheduler.finish(seq, seq.finish_reason)
             return self._retire(seq)

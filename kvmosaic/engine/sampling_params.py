@@ -39,6 +39,9 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # Structured output (engine/structured.py): the output is a JSON document of this schema
+    # (``{"type": "object"}``: any JSON object). None: free text.
+    json_schema: dict | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -60,6 +60,8 @@ class Sequence:
     # index (the parent is index 0).
     parent_id: str | None = None
     index: int = 0
+    # Structured output: the grammar matcher following this request's tokens (structured.py).
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -109,8 +109,24 @@ def ignored_fields(model: BaseModel, where: str = "") -> list[str]:
 
 
 class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
+    ``json_schema`` (``{"json_schema": {"name": ..., "schema": {...}}}``)."""
+
     type: Literal["text", "json_object", "json_schema"]
-    json_schema: dict[str, Any] | None = None
+    json_schema: Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)] | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise ValueError("response_format of type json_schema needs json_schema.schema (a JSON schema object)")
+        return self
+
+    @property
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output must match; None: free text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema["schema"] if self.type == "json_schema" and self.json_schema else None
 
 
 class StreamOptions(StrictModel):
@@ -176,9 +192,6 @@ class SamplingFields(StrictModel):
                               ("truncate_prompt_tokens", None)):
             if getattr(self, name) != neutral:
                 raise ValueError(f"{name} is not supported by this server (only {json.dumps(neutral)})")
-        if self.response_format is not None and self.response_format.type != "text":
-            raise ValueError(f"response_format {self.response_format.type!r} is not supported by this server "
-                             f"(only 'text')")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 9):
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), not {_short(key)}")

@@ -135,7 +135,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs, n=req.n,
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias_ids,
-            min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens)
+            min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
+            json_schema=req.response_format.output_schema if req.response_format is not None else None)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 
