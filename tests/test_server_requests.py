@@ -1,8 +1,8 @@
 """The request surface vLLM users rely on (issue 21, part 2), against a real server with the
 official ``openai`` client: SDK extras and unknown fields accepted, known-but-unsupported
 fields refused naming the field, penalties / ``min_p`` / ``logit_bias`` / ``min_tokens``,
-``n > 1`` (the prompt computed once), lists of prompts, and vLLM's utility endpoints. Every
-test ends with nothing in use."""
+``n > 1`` (the prompt computed once), lists of prompts, structured output (``response_format``,
+llguidance), and vLLM's utility endpoints. Every test ends with nothing in use."""
 
 from __future__ import annotations
 
@@ -76,7 +76,10 @@ def test_sdk_extras_and_unknown_fields_are_accepted(server):
     ({"prompt": "x", "priority": 3}, "priority"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"prompt": "x", "response_format": {"type": "json_schema"}}, "json_schema.schema"),
+    ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {
+        "type": "nonsense"}}}}, "JSON schema cannot be used"),
+    ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
     ({"prompt": "x", "echo": True}, "echo"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
@@ -220,6 +223,41 @@ def test_a_list_of_prompts_gets_choices_in_openai_order(server, tokenizer):
 def test_a_bad_prompt_in_a_list_refuses_the_request_and_holds_nothing(server):
     r = httpx.post(server.url + C, json={"prompt": ["fine", "word " * 3000], "max_tokens": 2}, timeout=60)
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    idle(server)
+
+
+# ---- structured output -------------------------------------------------------------------
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
+          "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer", "minimum": 0},
+                         "city": {"type": "string", "enum": ["Paris", "Lima", "Oslo"]}}}
+
+
+def test_json_schema_outputs_are_valid_every_time(server):
+    jsonschema = pytest.importorskip("jsonschema")
+    c = client(server)
+    valid = 0
+    for i in range(5):  # 5 requests x n=10: 50 documents, sampled hot
+        out = c.chat.completions.create(
+            model="SmolLM2-135M-Instruct", n=10, max_tokens=80, temperature=1.0, seed=i,
+            messages=[{"role": "user", "content": "Describe a person as JSON."}],
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}})
+        for ch in out.choices:
+            assert ch.finish_reason == "stop", ch
+            jsonschema.validate(json.loads(ch.message.content), PERSON)
+            valid += 1
+    assert valid == 50
+    idle(server)
+
+
+def test_json_object_mode_streamed(server):
+    text = ""
+    with httpx.stream("POST", server.url + C, timeout=300, json={
+            "prompt": "A JSON object describing a cat:", "max_tokens": 120, "temperature": 0.7, "seed": 3,
+            "response_format": {"type": "json_object"}, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                text += json.loads(line[6:])["choices"][0]["text"]
+    assert isinstance(json.loads(text), dict)
     idle(server)
 
 
