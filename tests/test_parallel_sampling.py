@@ -142,3 +142,12 @@ def test_a_sample_that_finds_no_free_block_queues_and_still_matches():
     for j, o in enumerate(outs):
         assert llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=5 + j))[0].token_ids == o.token_ids
     idle(llm)
+
+
+def test_samples_past_max_num_seqs_wait_their_turn():
+    llm = make_llm(block_size=16, max_num_seqs=2)
+    outs = llm.generate(PROMPT, SamplingParams(n=4, max_tokens=3, temperature=1.0, seed=8))
+    assert [o.index for o in outs] == [0, 1, 2, 3]
+    for j, o in enumerate(outs):
+        assert llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=8 + j))[0].token_ids == o.token_ids
+    idle(llm)
