@@ -238,7 +238,7 @@ class CompletionRequest(SamplingFields):
                              f"choices; at most {MAX_CHOICES} per request")
         if self.segments is not None and not (isinstance(self.prompt, str) or len(self.prompts) == 1
                                               and isinstance(self.prompts[0], str)):
-            raise ValueError("with segments, prompt must be one string (the text before them)")
+            raise ValueError("with segments, prompt must be a string (one: the text before them)")
         if self.segments is None and self.segment_suffix:
             raise ValueError("segment_suffix needs segments")
         return self
