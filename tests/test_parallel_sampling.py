@@ -151,3 +151,18 @@ def test_samples_past_max_num_seqs_wait_their_turn():
     for j, o in enumerate(outs):
         assert llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=8 + j))[0].token_ids == o.token_ids
     idle(llm)
+
+
+def test_a_grammar_mask_allows_exactly_its_tokens():
+    """The bitmask unpacking against llguidance's own per-token check (``validate_tokens``)."""
+    pytest.importorskip("llguidance")
+    from kvmosaic.engine.structured import GrammarFactory, apply_grammars
+
+    llm = make_llm(block_size=16, num_kv_blocks=16)
+    vocab = llm.engine.model_config.vocab_size
+    m = GrammarFactory(llm.engine.tokenizer, vocab).matcher({"type": "object"})
+    out = apply_grammars(torch.zeros(2, vocab), [None, m])
+    allowed = torch.isfinite(out[1]).nonzero().flatten().tolist()
+    assert 0 < len(allowed) < vocab and torch.isfinite(out[0]).all()
+    for t in allowed[:50] + [t for t in range(0, vocab, 997) if t not in allowed][:50]:
+        assert (m.validate_tokens([t]) == 1) == (t in allowed), t

@@ -20,6 +20,7 @@ The tokenizer's llguidance view is built once per engine, on the first structure
 from __future__ import annotations
 
 import json
+import sys
 from typing import Any
 
 import torch
@@ -65,20 +66,25 @@ class GrammarFactory:
         return m
 
 
+_BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits, LSB first
+
+
 def apply_grammars(logits: torch.Tensor, matchers: list[Any | None]) -> torch.Tensor:
     """``logits`` with each row that has a matcher masked to its allowed tokens (a new
     tensor), or ``logits`` itself when no row has one."""
     rows = [i for i, m in enumerate(matchers) if m is not None]
     if not rows:
         return logits
+    assert sys.byteorder == "little", "the bitmask is unpacked bytewise (little-endian)"
     vocab = logits.shape[-1]
     words = (vocab + 31) // 32
     bits = torch.zeros(len(rows), words, dtype=torch.int32)
     for j, i in enumerate(rows):
         v = bits[j]
         matchers[i].unsafe_compute_mask_ptr(v.data_ptr(), v.numel() * v.element_size())
-    shifts = torch.arange(32, dtype=torch.int32)
-    allowed = ((bits.unsqueeze(-1) >> shifts) & 1).reshape(len(rows), words * 32)[:, :vocab].bool()
+    # Token 32w + i is bit i of word w; on a little-endian machine that is bit i % 8 of byte
+    # 4w + i // 8, so one table lookup per byte unpacks the mask.
+    allowed = _BYTE_BITS[bits.view(torch.uint8).long()].reshape(len(rows), words * 32)[:, :vocab]
     out = logits.clone()
     out[rows] = logits[rows].masked_fill(~allowed.to(logits.device), float("-inf"))
     return out
