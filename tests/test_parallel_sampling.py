@@ -80,7 +80,9 @@ def test_bad_values_are_refused(kwargs):
 
 # ---- n > 1 -------------------------------------------------------------------------------
 def idle(llm) -> None:
-    size = llm.engine.cache.size_info()
+    cache = llm.engine.cache
+    (cache.check_invariants if hasattr(cache, "check_invariants") else cache.pool.check_invariants)()
+    size = cache.size_info()
     assert size.in_use == 0 and not llm.engine.requests and not llm.engine.has_unfinished_requests()
     assert size.free + size.evictable + size.in_use == size.total
 
@@ -150,6 +152,15 @@ def test_samples_past_max_num_seqs_wait_their_turn():
     assert [o.index for o in outs] == [0, 1, 2, 3]
     for j, o in enumerate(outs):
         assert llm.generate(PROMPT, SamplingParams(max_tokens=3, temperature=1.0, seed=8 + j))[0].token_ids == o.token_ids
+    idle(llm)
+
+
+def test_min_tokens_defers_stop_strings(llm):
+    free = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0))[0]
+    stop = free.text.strip().split()[0]
+    assert len(llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, stop=[stop]))[0].token_ids) < 12
+    held = llm.generate(PROMPT, SamplingParams(max_tokens=12, temperature=0, stop=[stop], min_tokens=12))[0]
+    assert held.token_ids == free.token_ids
     idle(llm)
 
 

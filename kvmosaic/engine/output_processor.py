@@ -70,7 +70,7 @@ class OutputProcessor:
             return
         checked = len(seq.output_text)
         seq.output_text = self.detokenize(seq.output_token_ids, p.skip_special_tokens)
-        for stop in p.stop:
+        for stop in (p.stop if len(seq.output_token_ids) > p.min_tokens else ()):  # vLLM: none before min_tokens
             # Only the new tail can hold a new match: the text before it was checked already.
             idx = seq.output_text.find(stop, max(0, checked - len(stop) + 1))
             if idx >= 0:

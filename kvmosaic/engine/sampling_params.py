@@ -18,7 +18,22 @@ class SamplingParams:
 
     ``temperature == 0`` (or any value below ``SAMPLING_EPS``, 1e-5) is greedy. ``top_k`` of -1 (or 0) and ``top_p`` of 1 disable those
     filters. ``seed`` makes a sampled request reproducible regardless of what it is batched
-    with. ``logprobs=k`` returns the top-k log-probabilities of each generated token.
+    with. ``logprobs=k`` returns the top-k log-probabilities of each generated token (of the
+    raw distribution, before the processors below).
+
+    Logits processing (vLLM's semantics, applied batched in ``logits_processors.py`` before
+    any sampling, greedy included; at their defaults the logits are untouched):
+    ``repetition_penalty`` (> 0, 1 = off) divides a positive logit and multiplies a negative
+    one for every token seen in the prompt or the output; ``presence_penalty`` and
+    ``frequency_penalty`` (in [-2, 2]) subtract a constant, and the token's count times a
+    constant, for tokens of the output only; ``logit_bias`` adds to the named tokens' logits
+    (in [-100, 100]); ``min_tokens`` forbids EOS and ``stop_token_ids`` until that many tokens
+    were generated, and stop strings match only after them (vLLM's rule). ``min_p`` (in
+    [0, 1]) drops tokens less likely than ``min_p`` times the most likely one (sampled
+    requests only, after temperature). ``json_schema``: the output is JSON valid against it
+    (``structured.py``; needs llguidance). ``skip_special_tokens=False`` keeps special tokens
+    in the text. ``n > 1``: the engine forks ``n - 1`` more samples once the prompt is
+    computed; they share its KV blocks (``llm_engine.py``).
     """
 
     max_tokens: int = 16
