@@ -60,7 +60,8 @@ def test_sdk_extras_and_unknown_fields_are_accepted(server):
     out = c.chat.completions.create(
         model="SmolLM2-135M-Instruct", messages=USER, max_tokens=3, temperature=0, store=False,
         metadata={"team": "a"}, parallel_tool_calls=False, service_tier="auto", user="u1",
-        extra_body={"skip_special_tokens": True, "chat_template_kwargs": {"enable_thinking": False},
+        extra_body={"skip_special_tokens": True, "chat_template_kwargs": {"enable_thinking": False, "tokenize": True,
+                                                                        "continue_final_message": True},
                     "min_tokens": 1, "priority": 0, "prompt_logprobs": None, "some_future_field": {"x": 1},
                     "tool_choice": "none", "tools": []})
     assert out.choices[0].message.content and out.usage.completion_tokens == 3

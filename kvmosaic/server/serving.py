@@ -11,6 +11,7 @@ way it leaves no block in use.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
@@ -44,7 +45,8 @@ MAX_CHARS_PER_TOKEN = 16
 # Parsing, validating and (chat) templating one body, on a worker thread, may take this long;
 # beyond it the request gets a 413 (issue 25). The schema's caps keep real bodies far below.
 PARSE_BUDGET_S = 5.0
-# chat_template_kwargs that would change how the template is called, not what it renders.
+# chat_template_kwargs that would change how the template is called, not what it renders (the
+# tokenizer's own apply_chat_template parameters are refused too, see OpenAIServing.template_kwargs).
 RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
                                       "return_dict", "return_tensors", "chat_template", "tools", "documents"})
 T = TypeVar("T")
@@ -134,6 +136,16 @@ class OpenAIServing:
         info = engine.model_info
         self.pool_tokens = info.num_kv_blocks * info.block_size
         self.max_prompt_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
+        try:
+            own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) - {"kwargs"}
+        except (TypeError, ValueError):
+            own = set()
+        self.reserved_template_kwargs = RESERVED_TEMPLATE_KWARGS | own
+
+    def template_kwargs(self, kwargs: dict | None) -> dict:
+        """``chat_template_kwargs`` as template variables: the keys that would change how the
+        template is called (``tokenize``, ``continue_final_message``, ...) are dropped."""
+        return {k: v for k, v in (kwargs or {}).items() if k not in self.reserved_template_kwargs}
 
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuse a prompt no tokenizer could fit in the context, before tokenising it."""
@@ -166,7 +178,7 @@ class OpenAIServing:
         req = decode_and_validate(body, ChatCompletionRequest)
         messages = [m.as_template_dict() for m in req.messages]
         self.check_chars(sum(len(m["content"]) for m in messages), "messages")
-        extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+        extra = self.template_kwargs(req.chat_template_kwargs)
         try:
             prompt = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                         add_generation_prompt=req.add_generation_prompt, **extra)

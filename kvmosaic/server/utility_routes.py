@@ -20,7 +20,7 @@ from .. import __version__
 from .drain import RETRY_AFTER_S, Drain
 from .errors import APIError
 from .protocol import MAX_FIELDS, MAX_MESSAGES, MAX_PROMPT_TOKEN_IDS, ChatMessage, StrictModel
-from .serving import RESERVED_TEMPLATE_KWARGS, OpenAIServing, decode_and_validate, off_loop, read_body
+from .serving import OpenAIServing, decode_and_validate, off_loop, read_body
 
 
 class TokenizeRequest(StrictModel):
@@ -55,7 +55,7 @@ def add_utility_routes(app: FastAPI, serving: OpenAIServing, drain: Drain, creat
         if (req.prompt is None) == (req.messages is None):
             raise APIError(400, "send either prompt or messages")
         if req.messages is not None:
-            extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in RESERVED_TEMPLATE_KWARGS}
+            extra = serving.template_kwargs(req.chat_template_kwargs)
             messages = [m.as_template_dict() for m in req.messages]
             serving.check_chars(sum(len(m["content"]) for m in messages), "messages")
             try:
