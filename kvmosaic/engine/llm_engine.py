@@ -187,6 +187,10 @@ class LLMEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         params = params or SamplingParams()
+        taken = [i for i in self.child_request_ids(request_id, params.n) if i in self.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} (sample {taken[0].rsplit('-', 1)[1]} of {request_id!r}) is "
+                             f"already in use")
         vocab = self.model_config.vocab_size
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is out of the vocabulary "
@@ -287,7 +291,7 @@ class LLMEngine:
             self.requests[cid] = child
             if self.scheduler.fork(parent, child):
                 forked.append(child)
-            else:  # no block for its copy: a new request, which hits the prefix cache
+            else:  # no block for its copy, or max_num_seqs reached: a new request (it hits the prefix cache)
                 self.scheduler.add(child)
         return forked
 
