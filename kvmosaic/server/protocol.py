@@ -6,8 +6,8 @@ extras that SDKs send do not break clients; :func:`ignored_fields` finds them, n
 included). Known fields this server cannot honour (``echo``, ``suffix``, ``tools``,
 ``prompt_logprobs``, ``best_of`` other than ``n``, ``priority``, ``use_beam_search``,
 ``truncate_prompt_tokens``) are accepted only at their neutral value, and a 400 naming the
-field otherwise. (A misspelt ``cache_salt`` is therefore ignored, with that log line: the
-tenant's salt still comes from its API key where keys are configured.) Known fields that change nothing
+field otherwise. (A misspelt ``cache_salt`` is therefore ignored, with that log line; to keep
+tenants apart without trusting the body, derive salts from API keys, server/tenancy.py.) Known fields that change nothing
 here (``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``, ``user``) are accepted.
 
 Bounded (issue 25): every list, map and object a body may hold has a length cap in the schema
