@@ -180,9 +180,12 @@ class LLMEngine:
         adapter_id: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        grammar: object | None = None,
     ) -> Sequence:
         """Queue a prompt the :attr:`inputs` processor already tokenised and validated;
-        ``tenant`` names who sent it, for fair share (engine/fair_share.py)."""
+        ``tenant`` names who sent it, for fair share (engine/fair_share.py); ``grammar``: the
+        matcher for ``params.json_schema``, compiled beforehand (``grammars.matcher``, off the
+        engine thread), or None to compile it here."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -195,7 +198,8 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is out of the vocabulary "
                              f"(ids must be in [0, {vocab}))")
-        grammar = self.grammars.matcher(params.json_schema) if params.json_schema is not None else None
+        if grammar is None and params.json_schema is not None:
+            grammar = self.grammars.matcher(params.json_schema)
         seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params,
                        processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks,
                        tenant=tenant)

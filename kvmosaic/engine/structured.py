@@ -6,8 +6,9 @@ the tokens that keep the output a prefix of a valid document. Invariants:
 
 * a request with a grammar samples only tokens its mask allows, greedy included (the mask is
   applied to its logits row before sampling, batched over the rows that have one);
-* the grammar is compiled when the request is added; a schema the library refuses is a
-  ``ValueError`` (a 400), changing nothing;
+* the grammar is compiled before the request is queued (by the server on a worker thread, or
+  by ``add_processed``); a schema the library refuses is a ``ValueError`` (a 400), changing
+  nothing;
 * when the grammar is complete (EOS allowed and taken, or nothing more can follow) the request
   finishes with ``stop``; ``max_tokens`` can still cut a document short (``length``), as in vLLM;
 * a forked sample (``n > 1``) gets a copy of its parent's matcher, taken before the parent
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from typing import Any
 
 import torch
@@ -43,17 +45,21 @@ class GrammarFactory:
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._hf, self.vocab_size = tokenizer, vocab_size
         self._tokenizer = None
+        self._lock = threading.Lock()
 
     def matcher(self, schema: dict | str) -> Any:
         """A matcher at the start of a document of ``schema`` (``{"type": "object"}``: any
-        JSON object). Raises ValueError for a schema llguidance cannot compile."""
+        JSON object). Raises ValueError for a schema llguidance cannot compile. Thread-safe:
+        the server compiles on a worker thread, so that neither the tokenizer's conversion
+        (once, ~0.4 s) nor a large schema's compilation stalls the engine's steps."""
         try:
             import llguidance
             import llguidance.hf
         except ImportError:
             raise ValueError(MISSING) from None
-        if self._tokenizer is None:
-            self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
+        with self._lock:
+            if self._tokenizer is None:
+                self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
         try:
             grammar = llguidance.LLMatcher.grammar_from_json_schema(
                 schema if isinstance(schema, str) else json.dumps(schema),

@@ -199,10 +199,13 @@ class AsyncEngine:
         rid = f"req-{uuid.uuid4().hex}"
         processed = await asyncio.to_thread(self.engine.inputs.process, prompt, cache_salt)
         params = make_params(len(processed.prompt_token_ids))
+        grammar = None
+        if params.json_schema is not None:  # compiled here, not on the engine thread
+            grammar = await asyncio.to_thread(self.engine.grammars.matcher, params.json_schema)
         streams = [RequestStream(i, loop) for i in (rid, *LLMEngine.child_request_ids(rid, params.n))]
 
         def add(engine: LLMEngine) -> None:
-            engine.add_processed(processed, params, request_id=rid, tenant=tenant)
+            engine.add_processed(processed, params, request_id=rid, tenant=tenant, grammar=grammar)
             for s in streams:
                 self._streams[s.request_id] = s
 
