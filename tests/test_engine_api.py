@@ -93,7 +93,7 @@ def test_bad_requests_change_nothing(llm, prompt, params, message):
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(n=2), dict(logprobs=99)]
+    "kwargs", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2), dict(n=0), dict(logprobs=99)]
 )
 def test_sampling_params_validate(kwargs):
     with pytest.raises(ValueError):

@@ -76,6 +76,27 @@ def test_models(server):
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
 
 
+def test_vllm_utility_routes_and_several_choices(server):
+    """Issue 21: /v1/models/{id}, /tokenize, /detokenize, /version, /ping, and n x prompts,
+    on one server and through the replicas' front alike."""
+    c = client(server)
+    assert c.models.retrieve("SmolLM2-135M-Instruct").id == "SmolLM2-135M-Instruct"
+    with pytest.raises(openai.NotFoundError):
+        c.models.retrieve("no-such-model")
+    tok = httpx.post(server.url + "/tokenize", json={"prompt": "Hello world"}, timeout=30).json()
+    assert tok["count"] == 2
+    assert httpx.post(server.url + "/detokenize", json={"tokens": tok["tokens"]}, timeout=30).json() == \
+        {"prompt": "Hello world"}
+    assert httpx.get(server.url + "/version", timeout=30).json()["version"]
+    assert httpx.get(server.url + "/ping", timeout=30).status_code == 200
+    assert httpx.post(server.url + "/ping", timeout=30).status_code == 200
+    out = c.completions.create(model="SmolLM2-135M-Instruct", prompt=[unique("Red, green,"), unique("One, two,")],
+                               n=2, max_tokens=3, temperature=0)
+    assert [ch.index for ch in out.choices] == [0, 1, 2, 3] and out.usage.completion_tokens == 12
+    assert out.choices[0].text == out.choices[1].text and out.choices[2].text == out.choices[3].text
+    wait_idle(server)
+
+
 def test_completion_and_its_stream_agree(server):
     c, prompt = client(server), unique("A lesson about colour and paint. " * 6 + "The three primary colours are")
     full = c.completions.create(model="SmolLM2-135M-Instruct", prompt=prompt, max_tokens=6, temperature=0)

@@ -11,6 +11,10 @@ The life of a request, as the scheduler drives it::
     ... more allocate_slots / commit per step ...
     mgr.free(req)                             # drop refs, tail first
 
+A request may also start from another's KV: ``mgr.fork(parent, child, n)`` (parallel
+sampling, ``n > 1``) gives ``child`` the parent's first ``n`` computed tokens, sharing its
+full blocks and copying the partial last one (copy-on-write).
+
 Backends: :class:`HashCacheManager` (vLLM's block hash chain; ``enable_caching=False``
 gives the no-cache baseline) and ``RadixCacheManager`` (SGLang's radix tree, in
 ``radix.py``). All give identical model outputs; they differ only in how much they reuse.
@@ -252,6 +256,42 @@ class KVCacheManager(ABC):
         self.req_blocks[req.request_id].extend(new)
         return self.block_table(req.request_id)
 
+    def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> bool:
+        """Give ``child`` (new to the manager, whose first ``num_tokens`` tokens are the
+        parent's) the KV of the parent's first ``num_tokens`` tokens, computed already: the full
+        blocks are shared (one reference each, so invariant 2 holds as for any hit) and the
+        partial last block is copied into a fresh block (a :class:`BlockCopy`, run before the
+        next forward pass), so neither request ever writes into a block the other reads.
+        Counted as a prefix-cache query that hit all ``num_tokens``. Returns False, changing
+        nothing, when no block is free for the copy."""
+        if child.request_id in self.req_blocks:
+            raise ValueError(f"request {child.request_id!r} already holds blocks")
+        blocks = self.req_blocks[parent.request_id]
+        full, partial = divmod(num_tokens, self.block_size)
+        if len(blocks) < full + (1 if partial else 0):
+            raise ValueError(f"request {parent.request_id!r} holds no KV for {num_tokens} tokens")
+        if partial and not self.make_room(1):
+            return False
+        shared = blocks[:full]
+        self.pool.touch(shared)
+        new = self.pool.get_new_blocks(1) if partial else []
+        if partial:
+            self.pending_copies.append(BlockCopy(blocks[full].block_id, new[0].block_id, partial))
+        self.req_blocks[child.request_id] = list(shared) + new
+        self.stats.requests += 1
+        self.stats.queries += num_tokens
+        self.stats.hits += num_tokens
+        self.on_fork(parent, child, num_tokens)
+        return True
+
+    def make_room(self, num_blocks: int) -> bool:
+        """Whether ``num_blocks`` can be taken from the pool now (backends whose cache holds
+        references, such as the radix tree, evict to make them so)."""
+        return self.pool.num_free_blocks >= num_blocks
+
+    def on_fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
+        """Hook for backends that keep per-request state: ``child`` was just forked."""
+
     def take_pending_copies(self) -> list[BlockCopy]:
         out, self.pending_copies = self.pending_copies, []
         return out
@@ -311,6 +351,11 @@ class HashCacheManager(KVCacheManager):
 
     def on_free(self, req: CacheRequest, blocks: list[KVBlock]) -> None:
         self.num_committed.pop(req.request_id, None)
+
+    def on_fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
+        # The shared full blocks are indexed already (by the parent): the child goes on after them.
+        self.num_committed[child.request_id] = min(self.num_committed.get(parent.request_id, 0),
+                                                   num_tokens // self.block_size)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached block (and pin); refused while any request runs."""

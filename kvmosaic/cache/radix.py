@@ -154,6 +154,18 @@ class RadixCacheManager(KVCacheManager):
                 self.tree.unlock(anchor)
         self.anchors[rid] = _Anchor(node, num_computed_tokens)
 
+    def make_room(self, num_blocks: int) -> bool:
+        if num_blocks > self.pool.num_free_blocks:
+            self.tree.evict(num_blocks - self.pool.num_free_blocks)
+        return self.pool.num_free_blocks >= num_blocks
+
+    def on_fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> None:
+        # The child holds its own lock on the parent's anchor (the tree holds the same tokens).
+        state = self.anchors[parent.request_id]
+        if state.node is not None:
+            self.tree.lock(state.node)
+        self.anchors[child.request_id] = _Anchor(state.node, min(state.committed, num_tokens))
+
     def on_free(self, req: CacheRequest, blocks: list) -> None:
         state = self.anchors.pop(req.request_id, None)
         if state is not None and state.node is not None:

@@ -41,7 +41,8 @@ class LLM:
         use_tqdm: bool = False,
         priority: int | Seq[int] = 0,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion, batched together; outputs in prompt order.
+        """Run every prompt to completion, batched together; outputs in prompt order, with a
+        prompt's ``n > 1`` samples one after another (``RequestOutput.index`` 0..n-1).
         ``priority`` (one, or one per prompt) ranks cached KV under the "priority" eviction
         policy: a higher value is kept longer."""
         if isinstance(prompts, (str, dict)) or (
@@ -54,8 +55,10 @@ class LLM:
         priorities = list(priority) if isinstance(priority, (list, tuple)) else [priority] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError("pass one priority, or one per prompt")
-        ids = [self.engine.add_request(p, sp, priority=pr).request_id
-               for p, sp, pr in zip(prompts, params_list, priorities)]
+        ids = []
+        for p, sp, pr in zip(prompts, params_list, priorities):
+            seq = self.engine.add_request(p, sp, priority=pr)
+            ids += [seq.request_id, *self.engine.child_request_ids(seq.request_id, seq.params.n)]
         return self._run(ids, use_tqdm)
 
     def chat(

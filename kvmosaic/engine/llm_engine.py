@@ -9,6 +9,14 @@ Callers outside the engine (the server, the ``LLM`` API) use only the public met
 fields below: ``add_request`` / ``add_processed``, ``abort_request``, ``step``,
 ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_stats``, ``model_info``,
 ``tokenizer``, ``max_model_len``, ``inputs``, ``events``.
+
+Parallel sampling (``SamplingParams.n > 1``): the request runs alone until its prompt is
+computed; at its first sample the engine forks ``n - 1`` more sequences, named
+:meth:`LLMEngine.child_request_ids`, that hold the prompt's KV (``Scheduler.fork``: full
+blocks shared, the partial one copied) and draw their first token from the same logits row.
+So the prompt is computed once, whatever ``n``. A parent that ends before its fork (failed,
+dropped) ends its samples with it; one whose pool has no block left for a copy queues that
+sample as a new request (it then hits the prefix cache).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -33,12 +41,14 @@ from ..model import load_model_bundle
 from ..model.tokenizer import with_chat_template
 from .config import EngineConfig
 from .input_processor import InputProcessor, ProcessedPrompt, PromptInput
+from .logits_processors import apply_logits_processors
 from .model_runner import ModelRunner, StepResult
 from .output_processor import OutputProcessor, RequestOutput
 from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence
+from .structured import GrammarFactory, apply_grammars
 from .threads import DEFAULT_THREADS, ThreadBudget
 
 logger = logging.getLogger("kvmosaic.engine")
@@ -144,7 +154,10 @@ class LLMEngine:
         self.model_info = ModelInfo(self.model_name, self.model_fingerprint, config.dtype, config.block_size,
                                     config.hash_algo, self.max_model_len, num_blocks, self.kv.bytes_per_token,
                                     seed, config.prefix_cache, config.quantization)
+        self.grammars = GrammarFactory(self.tokenizer, cfg.vocab_size)
         self.requests: dict[str, Sequence] = {}
+        self._unforked: dict[str, list[str]] = {}  # parent (n > 1) -> samples still to fork
+        self._orphans: list[RequestOutput] = []  # samples ended with a parent that never forked
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -172,26 +185,52 @@ class LLMEngine:
         adapter_id: str | None = None,
         priority: int = 0,
         tenant: str | None = None,
+        grammar: object | None = None,
     ) -> Sequence:
         """Queue a prompt the :attr:`inputs` processor already tokenised and validated;
-        ``tenant`` names who sent it, for fair share (engine/fair_share.py)."""
+        ``tenant`` names who sent it, for fair share (engine/fair_share.py); ``grammar``: the
+        matcher for ``params.json_schema``, compiled beforehand (``grammars.matcher``, off the
+        engine thread), or None to compile it here."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params or SamplingParams(),
+        params = params or SamplingParams()
+        taken = [i for i in self.child_request_ids(request_id, params.n) if i in self.requests]
+        if taken:
+            raise ValueError(f"request id {taken[0]!r} (sample {taken[0].rsplit('-', 1)[1]} of {request_id!r}) is "
+                             f"already in use")
+        vocab = self.model_config.vocab_size
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is out of the vocabulary "
+                             f"(ids must be in [0, {vocab}))")
+        if grammar is None and params.json_schema is not None:
+            grammar = self.grammars.matcher(params.json_schema)
+        seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params,
                        processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks,
                        tenant=tenant)
+        seq.grammar = grammar
         seq.segments = processed.segments if self.segment_reuse.enabled else None
         self.requests[request_id] = seq
+        if seq.params.n > 1:
+            self._unforked[request_id] = self.child_request_ids(request_id, seq.params.n)
         self.scheduler.add(seq)
         return seq
+
+    @staticmethod
+    def child_request_ids(request_id: str, n: int) -> list[str]:
+        """The ids of the samples 1..n-1 that a request with ``n`` samples forks."""
+        return [f"{request_id}-{j}" for j in range(1, n)]
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; its final output, or None if it was unknown
         or already finished."""
         seq = self.requests.pop(request_id, None)
         if seq is None:
+            for pending in self._unforked.values():  # a sample not forked yet: it never will be
+                if request_id in pending:
+                    pending.remove(request_id)
             return None
+        self._unforked.pop(request_id, None)
         self.scheduler.abort(request_id)
         seq.finish_reason = "abort"
         return self.outputs.make_output(seq)
@@ -218,6 +257,8 @@ class LLMEngine:
             self.scheduler.update(sched)
             outputs += [self._fail(*f) for f in failed]
             outputs += self._process_samples(result)
+        if self._orphans:
+            outputs, self._orphans = outputs + self._orphans, []
         return outputs
 
     def _fail(self, seq: Sequence, message: str, reason: str) -> RequestOutput:
@@ -226,7 +267,42 @@ class LLMEngine:
         self.scheduler.finish(seq, "error")
         seq.finish_time = time.perf_counter()
         self.requests.pop(seq.request_id, None)
+        self._end_unforked(seq, message, reason)
         return self.outputs.make_output(seq, error=message, error_reason=reason)
+
+    def _end_unforked(self, parent: Sequence, error: str | None = None, reason: str | None = None) -> None:
+        """A parent that ends before its fork ends its samples too, the same way."""
+        for cid in self._unforked.pop(parent.request_id, ()):
+            child = self._child(parent, cid)
+            child.status, child.finish_reason, child.finish_time = parent.status, parent.finish_reason, parent.finish_time
+            self._orphans.append(self.outputs.make_output(child, error=error, error_reason=reason))
+
+    @staticmethod
+    def _child(parent: Sequence, child_id: str) -> Sequence:
+        """Sample ``index`` of ``parent`` (its id's suffix, see :meth:`child_request_ids`); a
+        seeded parent's sample ``j`` draws with seed ``seed + j``."""
+        index = int(child_id.rsplit("-", 1)[1])
+        p = parent.params
+        params = replace(p, n=1, seed=None if p.seed is None else (p.seed + index) % 2**63)
+        child = Sequence(child_id, parent.prompt, parent.prompt_token_ids, params, parent.cache_salt,
+                         parent.adapter_id, parent.priority, public_blocks=parent.public_blocks, tenant=parent.tenant,
+                         arrival_time=parent.arrival_time)
+        child.parent_id, child.index = parent.request_id, index
+        return child
+
+    def _fork(self, parent: Sequence) -> list[Sequence]:
+        """Parallel sampling: the parent's samples, forked now that its prompt is computed; the
+        ones that hold its KV (returned) sample from its logits row in this step."""
+        forked = []
+        for cid in self._unforked.pop(parent.request_id, ()):
+            child = self._child(parent, cid)
+            child.grammar = parent.grammar.deep_copy() if parent.grammar is not None else None
+            self.requests[cid] = child
+            if self.scheduler.fork(parent, child):
+                forked.append(child)
+            else:  # no block for its copy, or max_num_seqs reached: a new request (it hits the prefix cache)
+                self.scheduler.add(child)
+        return forked
 
     def _execute(self, sched: SchedulerOutput, failed: list | None = None) -> StepResult:
         if self.threads is not None:
@@ -263,12 +339,20 @@ class LLMEngine:
         seqs = [s.seq for s in result.sampling]
         if not seqs:
             return []
-        logits = result.logits
+        rows = list(range(len(seqs)))
+        for i, seq in enumerate(list(seqs)):
+            if seq.request_id in self._unforked:
+                children = self._fork(seq)
+                seqs += children
+                rows += [i] * len(children)
+        raw = result.logits if len(rows) == len(result.sampling) else result.logits[rows]
+        logits = apply_logits_processors(raw, seqs, self.outputs.eos_ids)
+        logits = apply_grammars(logits, [s.grammar for s in seqs])
         for seq in seqs:  # a seeded request's generator lives on the logits' device
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=logits.device).manual_seed(seq.params.seed)
         tokens = sample_rows(logits, [s.params for s in seqs], [s.generator for s in seqs])
-        lps = top_logprobs(logits, tokens, [s.params.logprobs for s in seqs])
+        lps = top_logprobs(raw, tokens, [s.params.logprobs for s in seqs])  # vLLM: the raw distribution
         now = time.perf_counter()
         outputs = []
         for seq, tok, lp in zip(seqs, tokens, lps):
@@ -288,12 +372,17 @@ class LLMEngine:
     def _process_one(self, seq: Sequence, tok: int, lp: dict | None, now: float) -> RequestOutput:
         if seq.first_token_time is None:
             seq.first_token_time = now
-            self.prompt_tokens += seq.num_prompt_tokens
+            if seq.parent_id is None:  # a forked sample computed no prompt token
+                self.prompt_tokens += seq.num_prompt_tokens
         seq.append_token(tok)
         self.generation_tokens += 1
         if lp is not None:
             seq.output_logprobs.append(lp)
         self.outputs.check_stop(seq, tok)
+        if seq.grammar is not None and seq.finish_reason is None:
+            seq.grammar.consume_token(tok)
+            if seq.grammar.is_stopped():  # the document is complete: nothing more may follow
+                seq.finish_reason = "stop"
         if seq.finish_reason is not None:
             self.scheduler.finish(seq, seq.finish_reason)
             return self._retire(seq)
@@ -303,6 +392,7 @@ class LLMEngine:
         """A finished sequence (its blocks already freed by the scheduler) leaves the engine."""
         seq.finish_time = time.perf_counter()
         self.requests.pop(seq.request_id, None)
+        self._end_unforked(seq)
         return self.outputs.make_output(seq)
 
     # ---- cache control and stats ---------------------------------------------------------

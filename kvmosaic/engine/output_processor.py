@@ -32,6 +32,9 @@ class RequestOutput:
     # short reason for metrics ("sampling", "output_processing", "step").
     error: str | None = None
     error_reason: str | None = None
+    # Parallel sampling: the choice index, and the request whose prompt this sample forked from.
+    index: int = 0
+    parent_request_id: str | None = None
 
     @property
     def num_computed_tokens(self) -> int:
@@ -66,11 +69,11 @@ class OutputProcessor:
             raise InjectedFault(f"injected fault in request {seq.request_id}")
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             seq.finish_reason, seq.stop_reason = "stop", (None if tok in self.eos_ids else tok)
-            seq.output_text = self.detokenize(seq.output_token_ids[:-1])
+            seq.output_text = self.detokenize(seq.output_token_ids[:-1], p.skip_special_tokens)
             return
         checked = len(seq.output_text)
-        seq.output_text = self.detokenize(seq.output_token_ids)
-        for stop in p.stop:
+        seq.output_text = self.detokenize(seq.output_token_ids, p.skip_special_tokens)
+        for stop in (p.stop if len(seq.output_token_ids) > p.min_tokens else ()):  # vLLM: none before min_tokens
             # Only the new tail can hold a new match: the text before it was checked already.
             idx = seq.output_text.find(stop, max(0, checked - len(stop) + 1))
             if idx >= 0:
@@ -81,8 +84,8 @@ class OutputProcessor:
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
 
-    def detokenize(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+    def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     @staticmethod
     def make_output(seq: Sequence, error: str | None = None, error_reason: str | None = None) -> RequestOutput:
@@ -103,4 +106,6 @@ class OutputProcessor:
                      "num_preemptions": seq.num_preemptions},
             error=error,
             error_reason=error_reason,
+            index=seq.index,
+            parent_request_id=seq.parent_id,
         )

@@ -1,9 +1,13 @@
-"""Token selection: greedy, temperature, top-k, top-p, per-request seeds, logprobs."""
+"""Token selection: greedy, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Penalties, ``logit_bias`` and ``min_tokens`` change the logits before this module sees them
+(``logits_processors.py``, batched over the rows)."""
 
 from __future__ import annotations
 
 import torch
 
+from .logits_processors import apply_min_p
 from .sampling_params import SamplingParams
 
 
@@ -48,7 +52,7 @@ def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator 
     row = sanitize(row)
     if p.greedy:
         return int(row.argmax())
-    row = apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p)
+    row = apply_min_p(apply_top_k_top_p(row / p.temperature, p.top_k, p.top_p), p.min_p)
     probs = row.softmax(-1)
     if not bool(torch.isfinite(probs).all()) or float(probs.sum()) <= 0.0:
         return int(row.argmax())

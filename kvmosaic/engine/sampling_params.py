@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 # Below this temperature sampling is greedy (vLLM's _SAMPLING_EPS): dividing logits by a
 # temperature like 1e-300 would overflow every one of them to infinity.
 SAMPLING_EPS = 1e-5
+# Samples per request: OpenAI allows up to 128; each is a running sequence here.
+MAX_N = 64
 
 
 @dataclass
@@ -16,7 +18,22 @@ class SamplingParams:
 
     ``temperature == 0`` (or any value below ``SAMPLING_EPS``, 1e-5) is greedy. ``top_k`` of -1 (or 0) and ``top_p`` of 1 disable those
     filters. ``seed`` makes a sampled request reproducible regardless of what it is batched
-    with. ``logprobs=k`` returns the top-k log-probabilities of each generated token.
+    with. ``logprobs=k`` returns the top-k log-probabilities of each generated token (of the
+    raw distribution, before the processors below).
+
+    Logits processing (vLLM's semantics, applied batched in ``logits_processors.py`` before
+    any sampling, greedy included; at their defaults the logits are untouched):
+    ``repetition_penalty`` (> 0, 1 = off) divides a positive logit and multiplies a negative
+    one for every token seen in the prompt or the output; ``presence_penalty`` and
+    ``frequency_penalty`` (in [-2, 2]) subtract a constant, and the token's count times a
+    constant, for tokens of the output only; ``logit_bias`` adds to the named tokens' logits
+    (in [-100, 100]); ``min_tokens`` forbids EOS and ``stop_token_ids`` until that many tokens
+    were generated, and stop strings match only after them (vLLM's rule). ``min_p`` (in
+    [0, 1]) drops tokens less likely than ``min_p`` times the most likely one (sampled
+    requests only, after temperature). ``json_schema``: the output is JSON valid against it
+    (``structured.py``; needs llguidance). ``skip_special_tokens=False`` keeps special tokens
+    in the text. ``n > 1``: the engine forks ``n - 1`` more samples once the prompt is
+    computed; they share its KV blocks (``llm_engine.py``).
     """
 
     max_tokens: int = 16
@@ -30,6 +47,16 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None
     n: int = 1
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    min_tokens: int = 0
+    skip_special_tokens: bool = True
+    # Structured output (engine/structured.py): the output is a JSON document of this schema
+    # (``{"type": "object"}``: any JSON object). None: free text.
+    json_schema: dict | str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -49,7 +76,25 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be in [0, 20], got {self.logprobs}")
-        _check(self.n == 1, f"n must be 1 (parallel sampling is not supported), got {self.n}")
+        _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            _check(isinstance(v, (int, float)) and -2.0 <= v <= 2.0, f"{name} must be in [-2, 2], got {v}")
+        _check(isinstance(self.repetition_penalty, (int, float)) and math.isfinite(self.repetition_penalty)
+               and 0.0 < self.repetition_penalty <= 100.0,
+               f"repetition_penalty must be in (0, 100], got {self.repetition_penalty}")
+        _check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
+        self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
+        _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in (self.logit_bias or {}).items()),
+               "logit_bias maps token ids to values in [-100, 100]")
+        _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
+               f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+
+    @property
+    def processes_logits(self) -> bool:
+        """Whether any logits processor has work for this request (logits_processors.py)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
 
     @property
     def greedy(self) -> bool:

@@ -119,6 +119,21 @@ class Scheduler:
             self._release(seq)
         return seq
 
+    def fork(self, parent: Sequence, child: Sequence) -> bool:
+        """``child`` (the parent's prompt, nothing generated) joins the running batch holding the
+        KV of the parent's computed tokens (``KVCacheManager.fork``: full blocks shared, the
+        partial one copied), so it computes none of them. False, changing nothing, when the pool
+        has no block for the copy, or the running batch is full (``max_num_seqs``): the caller
+        queues the child as a new request instead, which hits the prefix cache."""
+        n = parent.num_computed_tokens
+        if len(self.running) >= self.config.max_num_seqs or not self.kv.fork(parent, child, n):
+            return False
+        child.num_computed_tokens = n
+        child.num_cached_tokens = n
+        child.status = SequenceStatus.RUNNING
+        self.running.append(child)
+        return True
+
     def _release(self, seq: Sequence) -> None:
         """Free a request's blocks, the connector told first (its loads cancelled)."""
         if self.connector is not None:

@@ -56,6 +56,12 @@ class Sequence:
     # Storage tiers: how many tokens came from tiers on admission (the loads themselves are
     # the scheduler's tier connector's state, kvmosaic/kv/connector.py).
     num_tier_tokens: int = 0
+    # Parallel sampling (``n > 1``): a forked sample names its parent request and its choice
+    # index (the parent is index 0).
+    parent_id: str | None = None
+    index: int = 0
+    # Structured output: the grammar matcher following this request's tokens (structured.py).
+    grammar: object | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -59,6 +59,29 @@ def build_front(ingress: OpenAIIngress) -> FastAPI:
     async def models(request: Request) -> Response:
         return await forward(request)
 
+    # vLLM's utility routes (server/utility_routes.py): any replica answers them alike.
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request) -> Response:
+        return await forward(request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        return await forward(request)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        return await forward(request)
+
+    @app.get("/version")
+    async def version(request: Request) -> Response:
+        return await forward(request)
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """200 while the front admits (it drains as one server does)."""
+        return Response(status_code=503 if drain.draining else 200,
+                        headers={"Retry-After": str(RETRY_AFTER_S)} if drain.draining else None)
+
     @app.get("/health/live")
     async def live() -> dict:
         return {"status": "ok"}

@@ -26,6 +26,7 @@ from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
 from .tenancy import TenantPolicy, build_public_prefixes, read_public_prefix_file
 from .tenant_limits import TenantLimits
+from .utility_routes import add_utility_routes, model_card
 
 if TYPE_CHECKING:
     from .args import ServerArgs
@@ -140,9 +141,7 @@ def build_app(
     @app.get("/v1/models")
     async def models(request: Request) -> dict:
         tenants.authenticate(request.headers.get("authorization"))
-        return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "kvmosaic",
-            "max_model_len": engine.max_model_len}]}
+        return {"object": "list", "data": [model_card(model_name, created, engine.max_model_len)]}
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
@@ -170,5 +169,6 @@ def build_app(
         await engine.refresh_stats()
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_utility_routes(app, serving, drain, created)  # /tokenize, /detokenize, /version, /ping, /v1/models/{id}
     add_request_schemas(app, CompletionRequest, ChatCompletionRequest)
     return app

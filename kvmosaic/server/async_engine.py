@@ -176,21 +176,46 @@ class AsyncEngine:
         """Tokenise and validate (off the engine thread), build the sampling parameters for
         the prompt's length (``make_params`` may raise ValueError, e.g. when the context is
         too short) and queue the request as ``tenant``'s (fair share). Errors reach the caller
-        and change nothing."""
-        stream = RequestStream(f"req-{uuid.uuid4().hex}", asyncio.get_running_loop())
+        and change nothing. One stream: ``make_params`` must give ``n == 1`` (else
+        :meth:`add_samples`)."""
+        streams = await self.add_samples(prompt, make_params, cache_salt, tenant)
+        if len(streams) != 1:
+            for s in streams:
+                self.abort(s.request_id)
+            raise ValueError("add() takes n = 1; use add_samples() for n > 1")
+        return streams[0]
+
+    async def add_samples(
+        self,
+        prompt: PromptInput,
+        make_params: Callable[[int], SamplingParams],
+        cache_salt: str | None = None,
+        tenant: str | None = None,
+    ) -> list[RequestStream]:
+        """As :meth:`add`, for ``n`` samples of the prompt: one stream per sample, in choice
+        order (the engine forks samples 1..n-1 once the prompt is computed; their request ids
+        are ``LLMEngine.child_request_ids``). Abort every stream's request to cancel it."""
+        loop = asyncio.get_running_loop()
+        rid = f"req-{uuid.uuid4().hex}"
         processed = await asyncio.to_thread(self.engine.inputs.process, prompt, cache_salt)
         params = make_params(len(processed.prompt_token_ids))
+        grammar = None
+        if params.json_schema is not None:  # compiled here, not on the engine thread
+            grammar = await asyncio.to_thread(self.engine.grammars.matcher, params.json_schema)
+        streams = [RequestStream(i, loop) for i in (rid, *LLMEngine.child_request_ids(rid, params.n))]
 
         def add(engine: LLMEngine) -> None:
-            engine.add_processed(processed, params, request_id=stream.request_id, tenant=tenant)
-            self._streams[stream.request_id] = stream
+            engine.add_processed(processed, params, request_id=rid, tenant=tenant, grammar=grammar)
+            for s in streams:
+                self._streams[s.request_id] = s
 
         try:
             await self.call(add)
         except asyncio.CancelledError:
-            self.abort(stream.request_id)  # the add may still run: undo it after
+            for s in streams:  # the add may still run: undo it after
+                self.abort(s.request_id)
             raise
-        return stream
+        return streams
 
     def abort(self, request_id: str, reason: str = "client_disconnect") -> None:
         """Fire and forget; safe from any thread, for finished or unknown requests too."""

@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from .protocol import MAX_STOP_CHARS, MAX_STOP_STRINGS
+from .protocol import MAX_PROMPTS, MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                408: "invalid_request_error", 409: "conflict_error", 413: "invalid_request_error",
@@ -43,7 +43,8 @@ def error_response(status: int, message: str, param: str | None = None, code: st
 
 # What a field must be, for fields whose type is a union (pydantic reports each branch).
 UNION_HINTS = {
-    "prompt": "must be a non-empty string or a non-empty list of token ids (one prompt per request)",
+    "prompt": "must be a non-empty string, a non-empty list of token ids, or a list of either (at most "
+              f"{MAX_PROMPTS} prompts)",
     "stop": f"must be a string or a list of non-empty strings (at most {MAX_STOP_STRINGS}, each at most "
             f"{MAX_STOP_CHARS} characters)",
     "content": "must be a string or a non-empty list of {\"type\": \"text\", \"text\": ...} parts",

@@ -1,9 +1,14 @@
-"""Request bodies of the OpenAI API, as strict pydantic models.
+"""Request bodies of the OpenAI API (and vLLM's extensions), as strict pydantic models.
 
-Strict on purpose: a field of the wrong type is an error, never coerced (``"5"`` is not 5);
-an unknown field is an error, so a misspelt ``cache_salt`` cannot silently share a tenant's
-cache. OpenAI fields this server cannot honour are accepted only at their neutral value
-(``echo: false``, ``presence_penalty: 0``, ...), and rejected otherwise, saying so.
+Strict on purpose: a field of the wrong type is an error, never coerced (``"5"`` is not 5).
+An unknown field is ignored and named in one log line per request (vLLM's rule, so the
+extras that SDKs send do not break clients; :func:`ignored_fields` finds them, nested ones
+included). Known fields this server cannot honour (``echo``, ``suffix``, ``tools``,
+``prompt_logprobs``, ``best_of`` other than ``n``, ``priority``, ``use_beam_search``,
+``truncate_prompt_tokens``) are accepted only at their neutral value, and a 400 naming the
+field otherwise. (A misspelt ``cache_salt`` is therefore ignored, with that log line; to keep
+tenants apart without trusting the body, derive salts from API keys, server/tenancy.py.) Known fields that change nothing
+here (``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``, ``user``) are accepted.
 
 Bounded (issue 25): every list, map and object a body may hold has a length cap in the schema
 itself, so validating any body under the size limit costs O(cap), and a body over a cap gets
@@ -18,8 +23,13 @@ each stop string       1,024      characters; a stop string longer than that can
                                   match within a context this server serves usefully
 ``stop_token_ids``     1,024      vLLM sets no cap; no tokenizer has that many special
                                   tokens worth stopping on
-``logit_bias``         1,024      entries (only the empty map is accepted: not supported)
+``logit_bias``         1,024      entries (token id -> bias in [-100, 100])
 prompt token ids       131,072    ids (the longest context of any model this serves)
+prompts per request    64         ``/v1/completions``'s list of prompts; with ``n``, at most
+                                  256 choices (``MAX_CHOICES``) per request
+``n``                  64         samples per prompt (``SamplingParams``' ``MAX_N``)
+``metadata``           16         pairs (OpenAI's limit), keys 64 and values 512 characters
+``chat_template_kwargs`` 64       keys (``MAX_FIELDS``)
 ``messages``           4,096      messages per chat
 content parts          256        ``{"type": "text"}`` parts per message
 ``segments``           64         segments per prompt (``MAX_SEGMENTS``)
@@ -40,9 +50,12 @@ here); the values above are ours, documented here and in the 400s that enforce t
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import json
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from ..engine.sampling_params import MAX_N
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -54,6 +67,9 @@ MAX_CONTENT_PARTS = 256
 MAX_SALT_CHARS = 256
 MAX_SEGMENTS = 64
 MAX_FIELDS = 64
+MAX_PROMPTS = 64
+MAX_CHOICES = 256
+MAX_METADATA = 16
 NAMED_UNKNOWN = 5  # unknown fields named in the message when an object has too many fields
 
 
@@ -63,7 +79,9 @@ def _short(name: object, limit: int = 64) -> str:
 
 
 class StrictModel(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    """Types are strict; unknown keys are kept aside (``model_extra``) and ignored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -77,6 +95,40 @@ class StrictModel(BaseModel):
             raise ValueError(f"the object has {len(data):,} fields; at most {MAX_FIELDS} are accepted "
                              f"(unknown fields: {named}{more})")
         return data
+
+
+def ignored_fields(model: BaseModel, where: str = "") -> list[str]:
+    """The unknown (ignored) fields of ``model`` and of the objects inside it, as dotted paths
+    (``messages.0.a``); linear in the body's objects."""
+    out = [f"{where}{k}" for k in (model.model_extra or {})]
+    for name in type(model).model_fields:
+        value = getattr(model, name)
+        items = enumerate(value) if isinstance(value, list) else [(None, value)]
+        for i, item in items:
+            if isinstance(item, BaseModel):
+                out += ignored_fields(item, f"{where}{name}." + ("" if i is None else f"{i}."))
+    return out
+
+
+class ResponseFormat(StrictModel):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
+    ``json_schema`` (``{"json_schema": {"name": ..., "schema": {...}}}``)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)] | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
+            raise ValueError("response_format of type json_schema needs json_schema.schema (a JSON schema object)")
+        return self
+
+    @property
+    def output_schema(self) -> dict | None:
+        """The JSON schema the output must match; None: free text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        return self.json_schema["schema"] if self.type == "json_schema" and self.json_schema else None
 
 
 class StreamOptions(StrictModel):
@@ -94,7 +146,7 @@ class SamplingFields(StrictModel):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 1.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     top_k: Annotated[int, Field(ge=-1)] = -1
-    n: Annotated[int, Field(ge=1, le=1, description="one choice per request")] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: StopString | Annotated[list[StopString], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: Annotated[list[Annotated[int, Field(ge=0)]], Field(max_length=MAX_STOP_TOKEN_IDS)] | None = None
@@ -106,9 +158,25 @@ class SamplingFields(StrictModel):
     # shared-public tenancy: the first N chat messages (or prompt characters / token ids) are public
     public_prefix: Annotated[int, Field(ge=0)] | None = None
     user: str | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: Annotated[dict[str, float], Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=100.0)] = 1.0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    logit_bias: Annotated[dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]],
+                          Field(max_length=MAX_LOGIT_BIAS)] | None = None
+    skip_special_tokens: bool = True
+    # Accepted, changing nothing here (OpenAI SDK fields).
+    store: bool | None = None
+    metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
+                        Field(max_length=MAX_METADATA)] | None = None
+    service_tier: str | None = None
+    # Known, supported only at their neutral value (a 400 naming the field otherwise).
+    priority: int = 0
+    prompt_logprobs: int | None = None
+    use_beam_search: bool = False
+    truncate_prompt_tokens: int | None = None
+    response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -122,14 +190,20 @@ class SamplingFields(StrictModel):
     def _supported(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0.0:
-                raise ValueError(f"{name} is not supported (only 0)")
-        if self.logit_bias:
-            raise ValueError("logit_bias is not supported")
+        for name, neutral in (("priority", 0), ("prompt_logprobs", None), ("use_beam_search", False),
+                              ("truncate_prompt_tokens", None)):
+            if getattr(self, name) != neutral:
+                raise ValueError(f"{name} is not supported by this server (only {json.dumps(neutral)})")
+        for key in self.logit_bias or {}:
+            if not (key.isascii() and key.isdigit() and len(key) <= 9):
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), not {_short(key)}")
         if isinstance(self.stop, str) and not self.stop or isinstance(self.stop, list) and not all(self.stop):
             raise ValueError("stop strings must not be empty")
         return self
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
 
     @property
     def stop_list(self) -> list[str]:
@@ -140,13 +214,13 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=1)] | Annotated[
-        list[TokenIds], Field(min_length=1, max_length=1)]
+    prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
+        list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
     max_tokens: Annotated[int, Field(ge=1)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: Annotated[int, Field(ge=1, le=1)] | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
     # kvmosaic extension: the prompt is ``prompt + segments... + segment_suffix``; with the
     # server's --segment-reuse on, each segment's KV is reused wherever it stood before.
     segments: Annotated[list[str], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
@@ -158,26 +232,38 @@ class CompletionRequest(SamplingFields):
             raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
-        if self.segments is not None and not isinstance(self.single_prompt, str):
-            raise ValueError("with segments, prompt must be a string (the text before them)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(f"best_of is not supported by this server other than equal to n ({self.n}): every "
+                             f"sample is returned; ask for n={self.best_of} and rank them yourself")
+        if len(self.prompts) * self.n > MAX_CHOICES:
+            raise ValueError(f"{len(self.prompts)} prompts x n={self.n} asks for {len(self.prompts) * self.n} "
+                             f"choices; at most {MAX_CHOICES} per request")
+        if self.segments is not None and not (isinstance(self.prompt, str) or len(self.prompts) == 1
+                                              and isinstance(self.prompts[0], str)):
+            raise ValueError("with segments, prompt must be a string (one: the text before them)")
         if self.segments is None and self.segment_suffix:
             raise ValueError("segment_suffix needs segments")
         return self
 
     @property
-    def engine_prompt(self) -> str | list[int] | dict:
-        """What the engine takes: the prompt, or the segmented prompt dict."""
-        if self.segments is None:
-            return self.single_prompt
-        return {"prompt": self.single_prompt, "segments": list(self.segments), "suffix": self.segment_suffix}
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one or several (OpenAI: a string, token ids, or a list of either)."""
+        p = self.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            return list(p)
+        return [p]
 
     @property
     def single_prompt(self) -> str | list[int]:
-        """Batched prompts are limited to one (by the schema): unwrap it."""
-        p = self.prompt
-        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
-            return p[0]
-        return p
+        """The first prompt (a router hashes it to pick a replica)."""
+        return self.prompts[0]
+
+    @property
+    def engine_prompts(self) -> list[str | list[int] | dict]:
+        """What the engine takes, per prompt: the prompt, or the segmented prompt dict."""
+        if self.segments is None:
+            return self.prompts
+        return [{"prompt": self.prompts[0], "segments": list(self.segments), "suffix": self.segment_suffix}]
 
 
 class TextPart(StrictModel):
@@ -201,6 +287,20 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    # Template variables (e.g. ``enable_thinking``) for the model's chat template.
+    chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)] | None = None
+    add_generation_prompt: bool = True
+    # Tools are not supported: accepted only when empty (``tool_choice`` "none" or "auto").
+    tools: Annotated[list[Any], Field(max_length=0)] | None = None
+    tool_choice: Literal["none", "auto"] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _no_tools(cls, value):
+        if value:
+            raise ValueError("tools are not supported by this server (only an empty list)")
+        return value
 
     @model_validator(mode="after")
     def _chat_supported(self):

@@ -81,31 +81,37 @@ def finish_reason(out: RequestOutput) -> str | None:
     return out.finish_reason if out.finished else None
 
 
-def completion_body(rid: str, created: int, model: str, out: RequestOutput, logprobs: dict | None) -> dict:
-    choice = {"index": 0, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason,
-              "stop_reason": out.stop_reason}
+def completion_choice(index: int, out: RequestOutput, logprobs: dict | None) -> dict:
+    return {"index": index, "text": out.text, "logprobs": logprobs, "finish_reason": out.finish_reason,
+            "stop_reason": out.stop_reason}
+
+
+def chat_choice(index: int, out: RequestOutput, logprobs: dict | None) -> dict:
+    return {"index": index, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
+            "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+
+
+def completion_body(rid: str, created: int, model: str, choices: list[dict], usage: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(out)}
+            "choices": choices, "usage": usage}
 
 
-def chat_body(rid: str, created: int, model: str, out: RequestOutput, logprobs: dict | None) -> dict:
-    choice = {"index": 0, "message": {"role": "assistant", "content": out.text}, "logprobs": logprobs,
-              "finish_reason": out.finish_reason, "stop_reason": out.stop_reason}
+def chat_body(rid: str, created: int, model: str, choices: list[dict], usage: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": [choice], "usage": usage(out)}
+            "choices": choices, "usage": usage}
 
 
 def completion_chunk(rid: str, created: int, model: str, text: str, finish: str | None,
-                     logprobs: dict | None) -> dict:
+                     logprobs: dict | None, index: int = 0) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | None,
-               logprobs: dict | None) -> dict:
+               logprobs: dict | None, index: int = 0) -> dict:
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def usage_chunk(rid: str, created: int, model: str, obj: str, out: RequestOutput) -> dict:
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage(out)}
+def usage_chunk(rid: str, created: int, model: str, obj: str, usage: dict) -> dict:
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}

@@ -11,6 +11,7 @@ way it leaves no block in use.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import time
@@ -28,8 +29,11 @@ from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
 from . import responses as R
 from .async_engine import AsyncEngine, RequestFailed, RequestStream
+from .choices import merge
+from .choices import usage as usage_of
 from .errors import APIError, error_body, from_validation_error
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .params import sampling_params  # re-exported: callers import it from here
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, ignored_fields
 from .tenancy import TenantPolicy
 from .tenant_limits import TenantLimits
 
@@ -41,6 +45,10 @@ MAX_CHARS_PER_TOKEN = 16
 # Parsing, validating and (chat) templating one body, on a worker thread, may take this long;
 # beyond it the request gets a 413 (issue 25). The schema's caps keep real bodies far below.
 PARSE_BUDGET_S = 5.0
+# chat_template_kwargs that would change how the template is called, not what it renders (the
+# tokenizer's own apply_chat_template parameters are refused too, see OpenAIServing.template_kwargs).
+RESERVED_TEMPLATE_KWARGS = frozenset({"conversation", "messages", "tokenize", "add_generation_prompt",
+                                      "return_dict", "return_tensors", "chat_template", "tools", "documents"})
 T = TypeVar("T")
 
 
@@ -61,9 +69,14 @@ def decode_and_validate(body: bytes, model: type[BaseModel]) -> BaseModel:
     if not text.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        return model.model_validate_json(text)
+        req = model.model_validate_json(text)
     except ValidationError as e:
         raise from_validation_error(e) from None
+    ignored = ignored_fields(req)
+    if ignored:  # vLLM's rule: unknown fields are ignored, and named once
+        shown = ", ".join(repr(f)[:80] for f in ignored[:8]) + (f" and {len(ignored) - 8} more" if len(ignored) > 8 else "")
+        log.warning("The following fields were present in the request but ignored: %s", shown)
+    return req
 
 
 async def off_loop(fn: Callable[..., T], *args: object, budget: float | None = None) -> T:
@@ -88,43 +101,6 @@ async def read_body(request: Request) -> bytes:
 
 async def parse_body(request: Request, model: type[BaseModel]) -> BaseModel:
     return await off_loop(decode_and_validate, await read_body(request), model)
-
-
-def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int, max_model_len: int,
-                    logprobs: int | None, prompt_param: str, pool_tokens: int | None = None) -> SamplingParams:
-    """vLLM's rule: prompt plus requested tokens must fit the context; with no max_tokens
-    the request may use whatever the prompt leaves. Admission by capacity: prompt plus
-    ``max_tokens`` must also fit the whole KV pool (``pool_tokens``), or the request could
-    only ever be cut short; with no max_tokens it may use what the pool leaves."""
-    if pool_tokens is not None and pool_tokens < max_model_len:
-        if num_prompt >= pool_tokens:
-            raise APIError(400, f"the prompt has {num_prompt} tokens but this server's KV cache holds at most "
-                                f"{pool_tokens} tokens for one request", prompt_param)
-        if max_tokens is not None and num_prompt + max_tokens > pool_tokens:
-            raise APIError(400, f"this server's KV cache holds at most {pool_tokens} tokens for one request, but "
-                                f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
-                                f"{max_tokens} in the completion); lower max_tokens to at most "
-                                f"{pool_tokens - num_prompt}", "max_tokens")
-        max_model_len = pool_tokens
-    room = max_model_len - num_prompt
-    if num_prompt == 0:
-        raise APIError(400, "the prompt is empty", prompt_param)
-    if room < 1:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt "
-                            f"has {num_prompt}, leaving no room for a completion", prompt_param)
-    if max_tokens is not None and max_tokens > room:
-        raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
-                            f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
-                            f"{max_tokens} in the completion); lower max_tokens to at most {room}",
-                       "max_tokens")
-    try:
-        return SamplingParams(
-            max_tokens=room if max_tokens is None else max_tokens, temperature=req.temperature,
-            top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop_list,
-            stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
-            include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs)
-    except ValueError as e:
-        raise APIError(400, str(e)) from None
 
 
 class AbortOnClose(StreamingResponse):
@@ -160,6 +136,16 @@ class OpenAIServing:
         info = engine.model_info
         self.pool_tokens = info.num_kv_blocks * info.block_size
         self.max_prompt_chars = self.max_model_len * MAX_CHARS_PER_TOKEN
+        try:
+            own = set(inspect.signature(self.tokenizer.apply_chat_template).parameters) - {"kwargs"}
+        except (TypeError, ValueError):
+            own = set()
+        self.reserved_template_kwargs = RESERVED_TEMPLATE_KWARGS | own
+
+    def template_kwargs(self, kwargs: dict | None) -> dict:
+        """``chat_template_kwargs`` as template variables: the keys that would change how the
+        template is called (``tokenize``, ``continue_final_message``, ...) are dropped."""
+        return {k: v for k, v in (kwargs or {}).items() if k not in self.reserved_template_kwargs}
 
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuse a prompt no tokenizer could fit in the context, before tokenising it."""
@@ -174,17 +160,17 @@ class OpenAIServing:
     async def completions(self, request: Request):
         token = self.tenants.authenticate(request.headers.get("authorization"))
         req: CompletionRequest = await parse_body(request, CompletionRequest)
-        p = req.single_prompt
-        chars = (len(p) if isinstance(p, str) else 0) + sum(len(x) for x in req.segments or []) + len(req.segment_suffix)
-        self.check_chars(chars, "prompt")
-        return await self._serve(request, req, token, req.engine_prompt, req.max_tokens, req.logprobs, "prompt",
+        segments = sum(len(x) for x in req.segments or []) + len(req.segment_suffix)
+        for p in req.prompts:
+            self.check_chars((len(p) if isinstance(p, str) else 0) + segments, "prompt")
+        return await self._serve(request, req, token, req.engine_prompts, req.max_tokens, req.logprobs, "prompt",
                                  chat=False)
 
     async def chat(self, request: Request):
         token = self.tenants.authenticate(request.headers.get("authorization"))
         req, prompt = await off_loop(self.parse_chat, await read_body(request))
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._serve(request, req, token, prompt, req.max_new_tokens, top, "messages", chat=True)
+        return await self._serve(request, req, token, [prompt], req.max_new_tokens, top, "messages", chat=True)
 
     def parse_chat(self, body: bytes) -> tuple[ChatCompletionRequest, str]:
         """The request and its prompt text: validation and the template, on a worker thread
@@ -192,19 +178,26 @@ class OpenAIServing:
         req = decode_and_validate(body, ChatCompletionRequest)
         messages = [m.as_template_dict() for m in req.messages]
         self.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        extra = self.template_kwargs(req.chat_template_kwargs)
         try:
-            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            prompt = self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                        add_generation_prompt=req.add_generation_prompt, **extra)
         except Exception as e:  # the template's own checks (e.g. role order) raise here
             raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None
         return req, prompt
 
-    async def _serve(self, request: Request, req: SamplingFields, token: str | None, prompt: str | list[int] | dict,
-                     max_tokens: int | None, logprobs: int | None, prompt_param: str, chat: bool):
+    async def _serve(self, request: Request, req: SamplingFields, token: str | None,
+                     prompts: list[str | list[int] | dict], max_tokens: int | None, logprobs: int | None,
+                     prompt_param: str, chat: bool):
+        """Queue every prompt's ``n`` samples (choice ``prompt * n + sample``), then answer or
+        stream them; a prompt refused refuses the request, and the prompts queued before it
+        are aborted (nothing stays in use)."""
         if req.model is not None and req.model != self.model_name:
             raise APIError(404, f"the model {req.model!r} does not exist; this server serves "
                                 f"{self.model_name!r}", "model", "model_not_found")
         salt, tenant = self.tenants.cache_salt(token, req.cache_salt), self.tenants.tenant_label(token)
         admitted: list[int] = []  # the prompt tokens counted against the tenant's limits
+        streams: list[RequestStream] = []
 
         def make_params(num_prompt: int) -> SamplingParams:
             params = sampling_params(req, max_tokens, num_prompt, self.max_model_len, logprobs, prompt_param,
@@ -214,79 +207,104 @@ class OpenAIServing:
             return params
 
         def release() -> None:
-            if admitted:
+            while admitted:
                 self.limits.release(tenant, admitted.pop())
 
-        try:
-            prompt, salt = await self.tenants.resolve(self.engine.engine, req, prompt, salt)  # shared-public head
-            stream = await self.engine.add(prompt, make_params, salt, tenant)
-        except ValueError as e:
+        def abort_all() -> None:
+            for s in streams:
+                self.engine.abort(s.request_id)
             release()
+
+        try:
+            for prompt in prompts:
+                prompt, psalt = await self.tenants.resolve(self.engine.engine, req, prompt, salt)  # shared-public head
+                streams += await self.engine.add_samples(prompt, make_params, psalt, tenant)
+        except ValueError as e:
+            abort_all()
             raise APIError(400, str(e), prompt_param) from None
         except BaseException:
-            release()
+            abort_all()
             raise
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            events = self._stream(stream, req, rid, created, logprobs, chat)
-            return AbortOnClose(events, lambda: (self.engine.abort(stream.request_id), release()))
+            return AbortOnClose(self._stream(streams, req, rid, created, logprobs, chat), abort_all)
         try:
-            out = await self._collect(request, stream)
+            outs = await self._collect(request, streams)
         finally:
-            release()
-        if chat:
-            lps = R.chat_logprobs(out, 0, self.decode, logprobs or 0) if logprobs is not None else None
-            return JSONResponse(R.chat_body(rid, created, self.model_name, out, lps))
-        lps = R.completion_logprobs(out, 0, self.decode, 0) if logprobs is not None else None
-        return JSONResponse(R.completion_body(rid, created, self.model_name, out, lps))
+            abort_all()  # every request finished: only the tenant's count is released
+        choices = []
+        for i, out in enumerate(outs):
+            if chat:
+                lps = R.chat_logprobs(out, 0, self.decode, logprobs or 0) if logprobs is not None else None
+                choices.append(R.chat_choice(i, out, lps))
+            else:
+                lps = R.completion_logprobs(out, 0, self.decode, 0) if logprobs is not None else None
+                choices.append(R.completion_choice(i, out, lps))
+        body = R.chat_body if chat else R.completion_body
+        return JSONResponse(body(rid, created, self.model_name, choices, usage_of(outs)))
 
-    async def _collect(self, request: Request, stream: RequestStream) -> RequestOutput:
-        """The final output; aborts the request if the client goes away first."""
+    async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+        """The final output of every stream, in order; aborts them all if the client goes away
+        first or one fails (the caller aborts; a finished request's abort does nothing)."""
+        finals: list[RequestOutput | None] = [None] * len(streams)
+        left = len(streams)
+        results = merge(streams)
         try:
-            async for out in stream:
+            async for i, out in results:
                 if out.finished:
-                    return out
-                if await request.is_disconnected():
+                    finals[i], left = out, left - 1
+                    if not left:
+                        return finals  # type: ignore[return-value]
+                elif await request.is_disconnected():
                     break
         except RequestFailed as e:  # this request failed, or the server cut it (drain)
             if e.status != 499:
                 raise APIError(e.status, e.message, code=e.reason,
                                headers={"Retry-After": "5"} if e.status == 503 else None) from None
         finally:
-            if not stream.finished:
-                self.engine.abort(stream.request_id)
+            await results.aclose()
         raise client_left(request, "while its request ran")
 
-    async def _stream(self, stream: RequestStream, req: SamplingFields, rid: str, created: int,
+    async def _stream(self, streams: list[RequestStream], req: SamplingFields, rid: str, created: int,
                       logprobs: int | None, chat: bool) -> AsyncIterator[str]:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
-        text, sent_tokens, out = R.TextDelta(req.stop_list), 0, None
+        texts = [R.TextDelta(req.stop_list) for _ in streams]
+        sent_tokens = [0] * len(streams)
+        latest: list[RequestOutput | None] = [None] * len(streams)
         if chat:
-            yield sse(R.chat_chunk(rid, created, self.model_name, {"role": "assistant", "content": ""}, None, None))
+            for i in range(len(streams)):
+                yield sse(R.chat_chunk(rid, created, self.model_name, {"role": "assistant", "content": ""}, None,
+                                       None, i))
+        results = merge(streams)
         try:
-            async for out in stream:
+            async for i, out in results:
+                latest[i] = out
+                text = texts[i]
                 delta = text.next(out.text, out.finished)
                 if not delta and not out.finished and logprobs is None:
                     continue
                 if chat:
-                    lps = R.chat_logprobs(out, sent_tokens, self.decode, logprobs or 0) if logprobs is not None else None
-                    body = R.chat_chunk(rid, created, self.model_name, {"content": delta} if delta else {},
-                                        R.finish_reason(out), lps)
-                else:
-                    lps = R.completion_logprobs(out, sent_tokens, self.decode, text.sent - len(delta)) \
+                    lps = R.chat_logprobs(out, sent_tokens[i], self.decode, logprobs or 0) \
                         if logprobs is not None else None
-                    body = R.completion_chunk(rid, created, self.model_name, delta, R.finish_reason(out), lps)
-                sent_tokens = len(out.token_ids)
+                    body = R.chat_chunk(rid, created, self.model_name, {"content": delta} if delta else {},
+                                        R.finish_reason(out), lps, i)
+                else:
+                    lps = R.completion_logprobs(out, sent_tokens[i], self.decode, text.sent - len(delta)) \
+                        if logprobs is not None else None
+                    body = R.completion_chunk(rid, created, self.model_name, delta, R.finish_reason(out), lps, i)
+                sent_tokens[i] = len(out.token_ids)
                 if include_usage:
-                    body["usage"] = R.usage(out) if continuous else None
+                    body["usage"] = usage_of(latest) if continuous else None
                 yield sse(body)
         except RequestFailed as e:  # an explicit error event, then [DONE]: never a silent cut
             yield sse(error_body(e.status, e.message, code=e.reason))
             yield sse("[DONE]")
             return
-        if include_usage and out is not None:
+        finally:
+            await results.aclose()
+        if include_usage and any(o is not None for o in latest):
             yield sse(R.usage_chunk(rid, created, self.model_name,
-                                    "chat.completion.chunk" if chat else "text_completion", out))
+                                    "chat.completion.chunk" if chat else "text_completion", usage_of(latest)))
         yield sse("[DONE]")
