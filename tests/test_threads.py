@@ -3,10 +3,12 @@ the same results whatever the count."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
-from kvmosaic.engine.threads import ThreadBudget, runnable_threads
+from kvmosaic.engine.threads import WINDOW, ThreadBudget, machine_busy_seconds, own_cpu_seconds
 
 
 @pytest.fixture
@@ -16,36 +18,65 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def write_load(path, running: int) -> None:
-    path.write_text(f"0.50 0.40 0.30 {running}/300 12345\n")
+class Machine:
+    """A machine's CPU counters as /proc/stat shows them, and this process's CPU time, advanced
+    by hand: ``run(seconds, others=cores busy elsewhere, own=cores this process used)``."""
+
+    def __init__(self, path) -> None:
+        self.path, self.now, self.busy, self.own = path, 0.0, 0.0, 0.0
+        self._write()
+
+    def _write(self) -> None:
+        hz = os.sysconf("SC_CLK_TCK")
+        self.path.write_text(f"cpu  {round(self.busy * hz)} 0 0 123456 0 0 0 0 0 0\ncpu0 0 0 0 0 0 0 0 0 0 0\n")
+
+    def run(self, seconds: float, others: float, own: float = 1.0) -> None:
+        self.now += seconds
+        self.busy += seconds * (others + own)
+        self.own += seconds * own
+        self._write()
+
+    def budget(self, max_threads: int, cores: int) -> ThreadBudget:
+        return ThreadBudget(max_threads, cores, str(self.path), clock=lambda: self.now, own_cpu=lambda: self.own)
 
 
-def test_budget_gives_way_to_other_runnable_threads_and_comes_back(tmp_path, restore_threads):
-    load = tmp_path / "loadavg"
-    write_load(load, 1)  # only the caller
-    budget = ThreadBudget(2, cores=2, path=str(load))
-    assert budget.update() == 2
-    write_load(load, 2)  # one other thread runnable: it holds one of the two cores
-    counts = [budget.update() for _ in range(6)]
-    assert counts[0] == 2, "one reading is smoothed, not obeyed at once"
+def steps(machine: Machine, budget: ThreadBudget, windows: int, others: float, own: float = 1.0) -> list[int]:
+    counts = []
+    for _ in range(windows):
+        machine.run(WINDOW, others, own)
+        counts.append(budget.update())
+    return counts
+
+
+def test_budget_gives_way_to_a_busy_process_and_comes_back(tmp_path, restore_threads):
+    machine = Machine(tmp_path / "stat")
+    budget = machine.budget(2, cores=2)
+    assert steps(machine, budget, 3, others=0.0, own=2.0)[-1] == 2
+    counts = steps(machine, budget, 6, others=1.0)  # another process spins on one core
+    assert counts[0] == 2, "one window is smoothed, not obeyed at once"
     assert counts[-1] == 1 and torch.get_num_threads() == 1
-    write_load(load, 1)
-    assert [budget.update() for _ in range(6)][-1] == 2 and torch.get_num_threads() == 2
+    assert steps(machine, budget, 6, others=0.0, own=2.0)[-1] == 2 and torch.get_num_threads() == 2
 
 
-def test_budget_never_exceeds_its_maximum_nor_drops_below_one(tmp_path, restore_threads):
-    load = tmp_path / "loadavg"
-    write_load(load, 1)
-    assert ThreadBudget(3, cores=16, path=str(load)).update() == 3
-    write_load(load, 40)
-    budget = ThreadBudget(4, cores=8, path=str(load))
-    assert [budget.update() for _ in range(10)][-1] == 1
-    assert ThreadBudget(2, cores=2, path=str(tmp_path / "missing")).update() == 2  # unknown load: no change
+def test_budget_ignores_light_work_and_its_own_spinning(tmp_path, restore_threads):
+    """A client streaming the answers (a fifth of a core) takes no core; nor do this process's
+    own OpenMP workers, however busy (they are in its own CPU time)."""
+    machine = Machine(tmp_path / "stat")
+    budget = machine.budget(2, cores=2)
+    assert set(steps(machine, budget, 10, others=0.2, own=2.0)) == {2}
 
 
-def test_runnable_threads_reads_this_machine():
-    running = runnable_threads()
-    assert running is None or running >= 1
+def test_budget_stays_within_one_and_its_maximum(tmp_path, restore_threads):
+    machine = Machine(tmp_path / "stat")
+    assert steps(machine, machine.budget(3, cores=16), 5, others=4.0)[-1] == 3
+    assert steps(machine, machine.budget(4, cores=8), 10, others=12.0)[-1] == 1
+    unknown = ThreadBudget(2, cores=2, path=str(tmp_path / "missing"))
+    assert unknown.update() == 2
+
+
+def test_budget_reads_this_machine():
+    assert machine_busy_seconds() is None or machine_busy_seconds() > 0
+    assert own_cpu_seconds() > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
