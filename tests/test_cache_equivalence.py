@@ -101,8 +101,10 @@ def test_full_hit_identical_prompt(tokenizer):
 def test_cascade_decode_of_a_shared_prefix_equals_cache_off(tokenizer, monkeypatch):
     """Requests sharing a 6-block prefix decode together through cascade attention (the prefix
     attended once for all of them): outputs equal the cache-off engine's, where nothing is shared."""
+    import kvmosaic.engine.model_runner as model_runner
     import kvmosaic.model.attention as attention
 
+    monkeypatch.setattr(model_runner, "cascade_pays", lambda model, kv: True)  # also where the kernel serves
     calls = []
     cascade = attention._merge_shared_prefixes
     monkeypatch.setattr(attention, "_merge_shared_prefixes", lambda *a: calls.append(1) or cascade(*a))

@@ -134,7 +134,10 @@ MODES = {
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_greedy_steps_match_transformers(family, mode):
+def test_greedy_steps_match_transformers(family, mode, monkeypatch):
+    import kvmosaic.engine.model_runner as model_runner
+
+    monkeypatch.setattr(model_runner, "cascade_pays", lambda model, kv: True)  # cascade even beside the kernel
     name, path, hf = family
     llm = make_llm(model=path, block_size=BLOCK, num_kv_blocks=64, **MODES[mode])
     logits = record_logits(llm)

@@ -127,8 +127,9 @@ class EngineArgs(CliArgs):
     kv_cache_memory: int = option(1 << 30, "KV pool size, e.g. 1G", type=memory_size)
     max_num_batched_tokens: int = option(2048, "tokens computed per step at most (chunked prefill)")
     max_num_seqs: int = option(64, "requests running at once at most")
-    cascade_attention: bool = option(True, "decodes sharing a cached prefix attend it once for all "
-                                           "(--no-cascade-attention: each reads it)")
+    cascade_attention: bool = option(True, "decodes sharing a cached prefix attend it once for all, where that "
+                                           "is faster: not with the CPU decode kernel, which reads it per row "
+                                           "faster (--no-cascade-attention: never)")
     max_model_len: int | None = option(None, "context length (default: the model's)", type=int)
     enable_prefix_caching: bool = option(True, "--no-enable-prefix-caching is --prefix-cache none")
     prefix_cache: str | None = option(None, "hash (vLLM's block hash chain), radix (SGLang's tree) or none "
