@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -40,7 +41,9 @@ class ServerProcess:
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        # Its own process group: whatever it started (Ray's raylet, GCS, replicas) goes with it in stop().
+        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -72,6 +75,9 @@ class ServerProcess:
             return f.read()
 
     def stop(self) -> None:
+        """SIGTERM (the server drains, then stops Serve and Ray), SIGKILL after 60 s; then
+        whatever is left of its process group (a replica or Ray daemon the server did not get
+        to stop) is killed, so that no test leaves processes behind."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -79,6 +85,9 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self.log.close()
         with contextlib.suppress(FileNotFoundError):  # stopping twice is fine
             os.unlink(self.log.name)
