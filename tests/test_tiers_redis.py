@@ -150,7 +150,10 @@ def test_redis_bounds_its_own_memory_with_allkeys_lru():
         info = t.server_info()
         assert info["maxmemory_policy"] == "allkeys-lru" and info["evicted_keys"] > 0
         assert info["used_memory"] <= info["maxmemory"] * 1.1 and t.used_bytes == info["used_memory"]
-        assert t.contains(key(119)) and not t.contains(key(0)) and t.stats.errors == 0
+        # Redis's LRU is approximate (it evicts the oldest of a few sampled keys): the newest key
+        # stays and most of the oldest are gone, though any one old key may survive.
+        assert t.contains(key(119)) and t.stats.errors == 0
+        assert sum(t.contains(key(i)) for i in range(40)) <= 10
 
 
 def test_killed_redis_costs_misses_then_hits_return_after_restart():

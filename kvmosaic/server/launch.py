@@ -4,6 +4,7 @@ replica or peer."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
@@ -41,9 +42,10 @@ class ServerProcess:
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        # Its own process group: whatever it started (Ray's raylet, GCS, replicas) goes with it in stop().
+        # Its own session: whatever it started (Ray's raylet, GCS, actors) goes with it in stop().
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
                                      start_new_session=True)
+        _RUNNING.add(self)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -76,8 +78,8 @@ class ServerProcess:
 
     def stop(self) -> None:
         """SIGTERM (the server drains, then stops Serve and Ray), SIGKILL after 60 s; then
-        whatever is left of its process group (a replica or Ray daemon the server did not get
-        to stop) is killed, so that no test leaves processes behind."""
+        whatever is left of its session (a replica or Ray daemon the server did not get to stop)
+        is killed, so that no test leaves processes behind."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -86,8 +88,8 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
         if self.proc is not None:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, signal.SIGKILL)
+            kill_session(self.proc.pid)
+        _RUNNING.discard(self)
         self.log.close()
         with contextlib.suppress(FileNotFoundError):  # stopping twice is fine
             os.unlink(self.log.name)
@@ -97,3 +99,29 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+_RUNNING: set[ServerProcess] = set()
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (Linux ``/proc``; elsewhere nothing). Ray's actors
+    run in process groups of their own, but in the session of the server that started Ray."""
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                session = int(f.read().rpartition(")")[2].split()[3])
+            if session == sid:
+                os.kill(int(entry), signal.SIGKILL)
+        except (OSError, ValueError, IndexError):
+            continue
+
+
+@atexit.register
+def _stop_leftovers() -> None:
+    """Servers a caller started and never stopped (a fixture whose teardown did not run) are
+    stopped when the process exits, with everything they started."""
+    for proc in list(_RUNNING):
+        proc.stop()
