@@ -41,6 +41,10 @@ class ServerProcess:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 300.0) -> ServerProcess:
+        """Start the server and wait until it answers; a server already running is left as it is
+        (starting it again would leave the first one running, unowned, on the same port)."""
+        if self.alive():
+            return self
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
         # Its own session: whatever it started (Ray's raylet, GCS, actors) goes with it in stop().
         self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT, env=env,
@@ -95,7 +99,7 @@ class ServerProcess:
             os.unlink(self.log.name)
 
     def __enter__(self) -> ServerProcess:
-        return self if self.alive() else self.start()  # ``with proc.start():`` must not start a second one
+        return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
