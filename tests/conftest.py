@@ -47,3 +47,19 @@ def make_llm(**kwargs):
     kwargs.setdefault("device", "cpu")
     kwargs.setdefault("num_kv_blocks", 256)
     return LLM(**kwargs)
+
+
+def record_logits(llm) -> dict[str, list[torch.Tensor]]:
+    """Wrap the real runner to keep the logits each request sampled from, step by step."""
+    seen: dict[str, list[torch.Tensor]] = {}
+    runner = llm.engine.runner
+    execute = runner.execute
+
+    def wrapped(batch):
+        result = execute(batch)
+        for row, s in enumerate(result.sampling):
+            seen.setdefault(s.seq.request_id, []).append(result.logits[row].clone())
+        return result
+
+    runner.execute = wrapped
+    return seen

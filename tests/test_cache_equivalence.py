@@ -6,26 +6,9 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from kvmosaic import SamplingParams
-from tests.conftest import make_llm
-
-
-def record_logits(llm) -> dict[str, list[torch.Tensor]]:
-    """Wrap the real runner to keep the logits each request sampled from, step by step."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    runner = llm.engine.runner
-    execute = runner.execute
-
-    def wrapped(batch):
-        result = execute(batch)
-        for row, s in enumerate(result.sampling):
-            seen.setdefault(s.seq.request_id, []).append(result.logits[row].clone())
-        return result
-
-    runner.execute = wrapped
-    return seen
+from tests.conftest import make_llm, record_logits
 
 
 def random_workload(tokenizer, seed: int, n: int = 8) -> list[list[int]]:

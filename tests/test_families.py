@@ -24,7 +24,7 @@ from kvmosaic import SamplingParams
 from kvmosaic.kv.paged import PagedKVCache
 from kvmosaic.model import load_model_bundle
 from kvmosaic.model.attention import AttentionMetadata, PrefillSpan
-from tests.conftest import make_llm
+from tests.conftest import make_llm, record_logits
 from tests.tiny_models import FAMILIES, build
 
 PREFILL_TOL = 1e-4
@@ -92,22 +92,6 @@ def test_prefill_logits_match_transformers(family):
         ref = hf(torch.tensor([ids])).logits[0].float()
     diff = (ours - ref).abs().max().item()
     assert diff < PREFILL_TOL, f"{name}: max abs logit difference {diff}"
-
-
-def record_logits(llm) -> dict[str, list[torch.Tensor]]:
-    """Keep the logits each request sampled from, step by step (the real runner, wrapped)."""
-    seen: dict[str, list[torch.Tensor]] = {}
-    runner = llm.engine.runner
-    execute = runner.execute
-
-    def wrapped(batch):
-        result = execute(batch)
-        for row, s in enumerate(result.sampling):
-            seen.setdefault(s.seq.request_id, []).append(result.logits[row].clone())
-        return result
-
-    runner.execute = wrapped
-    return seen
 
 
 def count_cascades(llm) -> list[int]:
