@@ -30,6 +30,25 @@ static inline __attribute__((always_inline)) void load_row(const void *pool, int
     }
 }
 
+/* One tile of the online softmax for one query row: ``scores[0..n)`` become exp(score - new max)
+ * (``scores[n..TILE)`` zero), the running max ``*m`` and sum ``*l`` move to include them, and the
+ * factor the row's accumulator must be scaled by (exp(old max - new max)) is returned. */
+static inline __attribute__((always_inline)) float softmax_tile(float *scores, int64_t n, float *m, float *l) {
+    float tile_max = *m;
+#pragma omp simd reduction(max : tile_max)
+    for (int64_t j = 0; j < n; ++j) tile_max = scores[j] > tile_max ? scores[j] : tile_max;
+    const float correction = exp_clamped(*m - tile_max);
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t j = 0; j < TILE; ++j) {
+        scores[j] = j < n ? exp_clamped(scores[j] - tile_max) : 0.0f;
+        sum += scores[j];
+    }
+    *l = *l * correction + sum;
+    *m = tile_max;
+    return correction;
+}
+
 /* One (sequence, kv head): the group's queries over the sequence's slots. Inlined into one copy
  * per head size (see paged_decode_attention), so the loops over ``dim`` have a constant trip
  * count. */
@@ -59,19 +78,7 @@ static inline __attribute__((always_inline)) void attend_one(
             }
         }
         for (int64_t r = 0; r < group; ++r) {
-            float *sr = s + r * TILE;
-            float tile_max = m[r];
-#pragma omp simd reduction(max : tile_max)
-            for (int64_t j = 0; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
-            const float correction = exp_clamped(m[r] - tile_max);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < TILE; ++j) {
-                sr[j] = j < n ? exp_clamped(sr[j] - tile_max) : 0.0f;
-                sum += sr[j];
-            }
-            l[r] = l[r] * correction + sum;
-            m[r] = tile_max;
+            const float correction = softmax_tile(s + r * TILE, n, m + r, l + r);
             float *ar = acc + r * dim;
 #pragma omp simd
             for (int64_t d = 0; d < dim; ++d) ar[d] *= correction;
@@ -148,20 +155,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
             }
         }
         for (int64_t r = 0; r < group; ++r) {
-            float *sr = s + r * TILE;
-            float tile_max = m[r];
-#pragma omp simd reduction(max : tile_max)
-            for (int64_t j = 0; j < n; ++j) tile_max = sr[j] > tile_max ? sr[j] : tile_max;
-            const float correction = exp_clamped(m[r] - tile_max);
-            float sum = 0.0f;
-#pragma omp simd reduction(+ : sum)
-            for (int64_t j = 0; j < TILE; ++j) {
-                sr[j] = j < n ? exp_clamped(sr[j] - tile_max) : 0.0f;
-                sum += sr[j];
-            }
-            l[r] = l[r] * correction + sum;
-            m[r] = tile_max;
-            const __m512 corr = _mm512_set1_ps(correction);
+            const __m512 corr = _mm512_set1_ps(softmax_tile(s + r * TILE, n, m + r, l + r));
             for (int64_t c = 0; c < vecs; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr);
         }
         for (int64_t j = 0; j < n; ++j) {
