@@ -55,26 +55,14 @@ def build_front(ingress: OpenAIIngress) -> FastAPI:
     async def chat(request: Request) -> Response:
         return await forward(request, chat=True)
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> Response:
+    async def forward_as_is(request: Request) -> Response:
         return await forward(request)
 
-    # vLLM's utility routes (server/utility_routes.py): any replica answers them alike.
-    @app.get("/v1/models/{model_id:path}")
-    async def model(request: Request) -> Response:
-        return await forward(request)
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request) -> Response:
-        return await forward(request)
-
-    @app.post("/detokenize")
-    async def detokenize(request: Request) -> Response:
-        return await forward(request)
-
-    @app.get("/version")
-    async def version(request: Request) -> Response:
-        return await forward(request)
+    # Routes any replica answers alike: /v1/models and vLLM's utility routes
+    # (server/utility_routes.py).
+    for path, method in [("/v1/models", "GET"), ("/v1/models/{model_id:path}", "GET"), ("/tokenize", "POST"),
+                         ("/detokenize", "POST"), ("/version", "GET")]:
+        app.add_api_route(path, forward_as_is, methods=[method])
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:
