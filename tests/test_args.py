@@ -21,6 +21,7 @@ ENGINE_FLAGS = {
     "quantization": ["--quantization", "int8"], "block_size": ["--block-size", "32"],
     "num_kv_blocks": ["--num-kv-blocks", "77"], "kv_cache_memory": ["--kv-cache-memory", "2G"],
     "max_num_batched_tokens": ["--max-num-batched-tokens", "1024"], "max_num_seqs": ["--max-num-seqs", "9"],
+    "fair_share_chunk_tokens": ["--fair-share-chunk-tokens", "64"],
     "cascade_attention": ["--no-cascade-attention"], "max_model_len": ["--max-model-len", "512"],
     "enable_prefix_caching": ["--no-enable-prefix-caching"], "prefix_cache": ["--prefix-cache", "radix"],
     "hash_algo": ["--hash-algo", "xxh3_128"], "verify_tokens": ["--verify-tokens"],

@@ -127,6 +127,9 @@ class EngineArgs(CliArgs):
     kv_cache_memory: int = option(1 << 30, "KV pool size, e.g. 1G", type=memory_size)
     max_num_batched_tokens: int = option(2048, "tokens computed per step at most (chunked prefill)")
     max_num_seqs: int = option(64, "requests running at once at most")
+    fair_share_chunk_tokens: int = option(256, "while several tenants are active, the prefill tokens a step "
+                                               "gives the most-served tenant at most, so another tenant's "
+                                               "newcomer waits for a short step (0: no limit)")
     cascade_attention: bool = option(True, "decodes sharing a cached prefix attend it once for all, where that "
                                            "is faster: not with the CPU decode kernel, which reads it per row "
                                            "faster (--no-cascade-attention: never)")

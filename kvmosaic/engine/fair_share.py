@@ -8,6 +8,13 @@ for a while starts again at the front). Each step:
   prefill chunks, the least-served tenant's first; a preemption, which takes the last of this
   order, so falls on the most-served tenant; running prefills leave part of the budget
   (:meth:`FairShare.reserve`) to waiting requests of less-served tenants;
+* newcomers: a waiting request of a tenant that has nothing running and was served less than
+  every tenant running gets a step of its own (:meth:`newcomers`; never two in a row), so its
+  first token waits for the step in progress and its own prefill, not for another tenant's
+  decodes and prefill chunks;
+* while several tenants are active (running, waiting, or served in the last few hundred steps),
+  the most-served tenant's prefill tokens per step are capped (:meth:`chunk_caps`,
+  ``fair_chunk_tokens``), so the step in progress when a newcomer arrives is short;
 * waiting sequences: the least-served tenant's first (the queue's own order kept within a
   tenant), and a tenant already holding its share of the running slots
   (``ceil(max_num_seqs / active tenants)``) waits while another tenant has a request waiting;
@@ -59,6 +66,27 @@ class FairShare:
         want = sum(s.num_tokens for s in waiting
                    if s.tenant not in prefilling or self.served.get(s.tenant, 0.0) < top)
         return min(budget // 2, want) if len(prefilling | {s.tenant for s in waiting}) > 1 else 0
+
+    def newcomers(self, running: list[Sequence], waiting: Iterable[Sequence]) -> list[Sequence]:
+        """Waiting requests, in queue order, of tenants with nothing running and served less than
+        every tenant running now (with one tenant, or nothing running: none)."""
+        if not running:
+            return []
+        busy = self.tenants(running)
+        floor = min(self.served.get(t, 0.0) for t in busy)
+        return [s for s in waiting if s.tenant not in busy and self.served.get(s.tenant, 0.0) < floor]
+
+    def chunk_caps(self, running: list[Sequence], waiting: Iterable[Sequence], chunk: int) -> dict[str | None, int]:
+        """Prefill tokens this step may give each capped tenant: ``chunk`` for the most-served
+        tenant(s) while another tenant is active (running, waiting, or served recently: its
+        decayed service is at least one token); ``{}`` (no cap) otherwise, or when ``chunk`` is 0."""
+        if chunk <= 0:
+            return {}
+        active = self.tenants(running, waiting) | set(self.served)
+        if len(active) < 2:
+            return {}
+        top = max(self.served.get(t, 0.0) for t in active)
+        return {t: chunk for t in active if self.served.get(t, 0.0) >= top}
 
     def order_waiting(self, waiting: list[Sequence]) -> list[Sequence]:
         if len(self.tenants(waiting)) < 2:

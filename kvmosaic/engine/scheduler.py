@@ -46,6 +46,9 @@ class SchedulerConfig:
     max_model_len: int = 8192
     policy: str = "fcfs"  # "fcfs" or "lpm" (longest cached prefix first)
     max_skips: int = 8  # lpm: how many times a waiting request may be passed over
+    # While several tenants are active, the prefill tokens a step gives the most-served tenant at
+    # most (FairShare.chunk_caps); 0: no limit.
+    fair_chunk_tokens: int = 0
 
 
 @dataclass
@@ -84,6 +87,7 @@ class Scheduler:
         # Storage tiers (None: off), and the requests in WAITING_FOR_KV: request id -> sequence.
         self.connector = connector
         self.fair = FairShare()  # tenants share the step budget and the slots (engine/fair_share.py)
+        self._express_last = False  # the last step was newcomers' alone (FairShare.newcomers)
         self.loading: dict[str, Sequence] = {}
 
     @property
@@ -143,12 +147,16 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self._express_step(out):
+            return out
         budget = self.config.max_num_batched_tokens
+        caps = self.fair.chunk_caps(self.running, self.waiting, self.config.fair_chunk_tokens)
         reserved = self.fair.reserve(self.running, self.waiting, budget)  # for other tenants' newcomers
         queue = self.fair.order_running(self.running)
         while queue and budget > 0:
             seq = queue.pop(0)
-            n = min(seq.num_uncomputed, budget if seq.num_uncomputed <= 1 else budget - reserved)
+            n = min(seq.num_uncomputed, budget if seq.num_uncomputed <= 1 else
+                    min(budget - reserved, caps.get(seq.tenant, budget)))
             if n <= 0:
                 continue
             while self.kv.allocate_slots(seq, seq.num_computed_tokens + n) is None:
@@ -164,14 +172,40 @@ class Scheduler:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 self.fair.charge(seq, n)
                 budget -= n
+                if n > 1 and seq.tenant in caps:
+                    caps[seq.tenant] -= n
         if self.loading:
             self._poll_loads(idle=not out.scheduled and not self.waiting, failed=out.failed)
         if out.preempted or out.out_of_memory:
             self.fair.end_step()
             return out
         self._order_waiting()
+        self._admit_waiting(self.fair.order_waiting(list(self.waiting)), budget, caps, out)
+        self.fair.end_step()
+        return out
+
+    def _express_step(self, out: SchedulerOutput) -> bool:
+        """A step of its own for newcomers of tenants served less than everyone running
+        (:meth:`FairShare.newcomers`): their first token does not wait behind the running
+        batch's decodes and prefill chunks. Never two such steps in a row, so the running
+        sequences advance at least every other step. False, scheduling nothing, when there is
+        none or none could be admitted."""
+        newcomers = [] if self._express_last else self.fair.newcomers(self.running, self.waiting)
+        self._express_last = False
+        if not newcomers:
+            return False
+        self._admit_waiting(newcomers, self.config.max_num_batched_tokens, {}, out)
+        if not (out.scheduled or out.failed or out.out_of_memory or self.loading):
+            return False
+        self._express_last = True
+        self.fair.end_step()
+        return True
+
+    def _admit_waiting(self, candidates: list[Sequence], budget: int, caps: dict, out: SchedulerOutput) -> None:
+        """Admit ``candidates`` (waiting sequences, in order) while budget, slots and blocks
+        last, each starting after its cached prefix (pool, then tiers)."""
         inflight = self._inflight_blocks() if self.kv.enable_caching else None
-        for seq in self.fair.order_waiting(list(self.waiting)):
+        for seq in candidates:
             if budget <= 0:
                 break
             if len(self.running) >= self.config.max_num_seqs and \
@@ -179,6 +213,8 @@ class Scheduler:
                 break
             if self.fair.over_share(seq, self.running, self.waiting, self.config.max_num_seqs):
                 continue  # its tenant holds its share of the slots while another tenant waits
+            if caps.get(seq.tenant, 1) <= 0:
+                continue  # its tenant had its prefill tokens of this step (FairShare.chunk_caps)
             match = self.kv.match_prefix(seq)
             if inflight and self._next_block_in_flight(seq, match, inflight):
                 continue  # another sequence is computing it: hit it at a later step
@@ -196,7 +232,7 @@ class Scheduler:
                     self.loading[seq.request_id] = seq
                     continue
             cached = match.num_tokens + external
-            n = min(seq.num_tokens - cached, budget)
+            n = min(seq.num_tokens - cached, budget, caps.get(seq.tenant, budget))
             table = self.kv.allocate_slots(seq, cached + n, match)
             if table is None:
                 if not self.running:  # the whole pool is free for it and still too small
@@ -216,10 +252,10 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, n))
             self.fair.charge(seq, n)
             budget -= n
+            if seq.tenant in caps:
+                caps[seq.tenant] -= n
             if inflight is not None:
                 inflight.update(self._uncommitted_blocks(seq))
-        self.fair.end_step()
-        return out
 
     def _leave_queue(self, seq: Sequence) -> None:
         if self.waiting[0] is seq:
