@@ -10,13 +10,8 @@ fields below: ``add_request`` / ``add_processed``, ``abort_request``, ``step``,
 ``has_unfinished_requests``, ``reset_prefix_cache``, ``get_stats``, ``model_info``,
 ``tokenizer``, ``max_model_len``, ``inputs``, ``events``.
 
-Parallel sampling (``SamplingParams.n > 1``): the request runs alone until its prompt is
-computed; at its first sample the engine forks ``n - 1`` more sequences, named
-:meth:`LLMEngine.child_request_ids`, that hold the prompt's KV (``Scheduler.fork``: full
-blocks shared, the partial one copied) and draw their first token from the same logits row.
-So the prompt is computed once, whatever ``n``. A parent that ends before its fork (failed,
-dropped) ends its samples with it; one whose pool has no block left for a copy queues that
-sample as a new request (it then hits the prefix cache).
+Parallel sampling (``SamplingParams.n > 1``) computes the prompt once and forks the samples
+from it (engine/parallel_sampling.py).
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ import itertools
 import logging
 import time
 import weakref
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,6 +39,7 @@ from .input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from .logits_processors import apply_logits_processors
 from .model_runner import ModelRunner, StepResult
 from .output_processor import OutputProcessor, RequestOutput
+from .parallel_sampling import ParallelSampling, child_request_ids
 from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -156,8 +152,7 @@ class LLMEngine:
                                     seed, config.prefix_cache, config.quantization)
         self.grammars = GrammarFactory(self.tokenizer, cfg.vocab_size)
         self.requests: dict[str, Sequence] = {}
-        self._unforked: dict[str, list[str]] = {}  # parent (n > 1) -> samples still to fork
-        self._orphans: list[RequestOutput] = []  # samples ended with a parent that never forked
+        self.samples = ParallelSampling(self.outputs)  # n > 1: the samples still to fork
         self._ids = itertools.count()
         self.prompt_tokens = 0
         self.generation_tokens = 0
@@ -211,26 +206,19 @@ class LLMEngine:
         seq.grammar = grammar
         seq.segments = processed.segments if self.segment_reuse.enabled else None
         self.requests[request_id] = seq
-        if seq.params.n > 1:
-            self._unforked[request_id] = self.child_request_ids(request_id, seq.params.n)
+        self.samples.register(seq)
         self.scheduler.add(seq)
         return seq
 
-    @staticmethod
-    def child_request_ids(request_id: str, n: int) -> list[str]:
-        """The ids of the samples 1..n-1 that a request with ``n`` samples forks."""
-        return [f"{request_id}-{j}" for j in range(1, n)]
+    child_request_ids = staticmethod(child_request_ids)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks; its final output, or None if it was unknown
         or already finished."""
         seq = self.requests.pop(request_id, None)
+        self.samples.abort(request_id)
         if seq is None:
-            for pending in self._unforked.values():  # a sample not forked yet: it never will be
-                if request_id in pending:
-                    pending.remove(request_id)
             return None
-        self._unforked.pop(request_id, None)
         self.scheduler.abort(request_id)
         seq.finish_reason = "abort"
         return self.outputs.make_output(seq)
@@ -257,9 +245,7 @@ class LLMEngine:
             self.scheduler.update(sched)
             outputs += [self._fail(*f) for f in failed]
             outputs += self._process_samples(result)
-        if self._orphans:
-            outputs, self._orphans = outputs + self._orphans, []
-        return outputs
+        return outputs + self.samples.take_orphans()
 
     def _fail(self, seq: Sequence, message: str, reason: str) -> RequestOutput:
         """One request failed: it alone ends (``finish_reason == "error"``), its blocks are
@@ -267,42 +253,8 @@ class LLMEngine:
         self.scheduler.finish(seq, "error")
         seq.finish_time = time.perf_counter()
         self.requests.pop(seq.request_id, None)
-        self._end_unforked(seq, message, reason)
+        self.samples.end_with(seq, message, reason)
         return self.outputs.make_output(seq, error=message, error_reason=reason)
-
-    def _end_unforked(self, parent: Sequence, error: str | None = None, reason: str | None = None) -> None:
-        """A parent that ends before its fork ends its samples too, the same way."""
-        for cid in self._unforked.pop(parent.request_id, ()):
-            child = self._child(parent, cid)
-            child.status, child.finish_reason, child.finish_time = parent.status, parent.finish_reason, parent.finish_time
-            self._orphans.append(self.outputs.make_output(child, error=error, error_reason=reason))
-
-    @staticmethod
-    def _child(parent: Sequence, child_id: str) -> Sequence:
-        """Sample ``index`` of ``parent`` (its id's suffix, see :meth:`child_request_ids`); a
-        seeded parent's sample ``j`` draws with seed ``seed + j``."""
-        index = int(child_id.rsplit("-", 1)[1])
-        p = parent.params
-        params = replace(p, n=1, seed=None if p.seed is None else (p.seed + index) % 2**63)
-        child = Sequence(child_id, parent.prompt, parent.prompt_token_ids, params, parent.cache_salt,
-                         parent.adapter_id, parent.priority, public_blocks=parent.public_blocks, tenant=parent.tenant,
-                         arrival_time=parent.arrival_time)
-        child.parent_id, child.index = parent.request_id, index
-        return child
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Parallel sampling: the parent's samples, forked now that its prompt is computed; the
-        ones that hold its KV (returned) sample from its logits row in this step."""
-        forked = []
-        for cid in self._unforked.pop(parent.request_id, ()):
-            child = self._child(parent, cid)
-            child.grammar = parent.grammar.deep_copy() if parent.grammar is not None else None
-            self.requests[cid] = child
-            if self.scheduler.fork(parent, child):
-                forked.append(child)
-            else:  # no block for its copy, or max_num_seqs reached: a new request (it hits the prefix cache)
-                self.scheduler.add(child)
-        return forked
 
     def _execute(self, sched: SchedulerOutput, failed: list | None = None) -> StepResult:
         if self.threads is not None:
@@ -341,8 +293,8 @@ class LLMEngine:
             return []
         rows = list(range(len(seqs)))
         for i, seq in enumerate(list(seqs)):
-            if seq.request_id in self._unforked:
-                children = self._fork(seq)
+            if self.samples.waiting_to_fork(seq.request_id):
+                children = self.samples.fork(seq, self.scheduler, self.requests)
                 seqs += children
                 rows += [i] * len(children)
         raw = result.logits if len(rows) == len(result.sampling) else result.logits[rows]
@@ -392,7 +344,7 @@ class LLMEngine:
         """A finished sequence (its blocks already freed by the scheduler) leaves the engine."""
         seq.finish_time = time.perf_counter()
         self.requests.pop(seq.request_id, None)
-        self._end_unforked(seq)
+        self.samples.end_with(seq)
         return self.outputs.make_output(seq)
 
     # ---- cache control and stats ---------------------------------------------------------
