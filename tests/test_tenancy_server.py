@@ -77,7 +77,9 @@ def _start_all(public_file: str) -> None:
 
 def finish(proc: ServerProcess) -> ServerProcess:
     proc.start()
-    proc.model = httpx.get(proc.url + "/v1/models", headers={"Authorization": "Bearer key-a"}).json()["data"][0]["id"]
+    r = httpx.get(proc.url + "/v1/models", headers={"Authorization": "Bearer key-a"}, timeout=60)
+    assert r.status_code == 200, f"/v1/models answered {r.status_code}: {r.text}\n{proc.output()[-3000:]}"
+    proc.model = r.json()["data"][0]["id"]
     return proc
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import threading
 import time
@@ -83,6 +84,26 @@ def _drain(front, timeout: float, hurry: threading.Event) -> None:
             in_flight = front.in_flight.remote().result(timeout_s=10)
 
 
+def direct_ingress_env(server_args: ServerArgs) -> tuple[int, dict[str, str]]:
+    """The port Ray Serve's HTTP proxy takes, and the environment for the Ray this command
+    starts. With direct ingress (a local Ray only: on a joined cluster the front may be placed
+    on another node) the front's replica serves ``--port`` itself — Ray Serve allocates it from
+    a range of one port — and the proxy, which Ray still starts on the head node, gets a free
+    port nobody is told of."""
+    if not server_args.direct_ingress or server_args.ray_address:
+        return server_args.port, {}
+    from ..server.launch import free_port
+
+    grpc = free_port()
+    return free_port(), {
+        "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1",
+        "RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT": str(server_args.port),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(server_args.port + 1),  # exclusive
+        "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc),
+        "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 1),
+    }
+
+
 def run_replicas(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     import ray
     from ray import serve
@@ -91,11 +112,13 @@ def run_replicas(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     from .app import build_application
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    proxy_port, env = direct_ingress_env(server_args)
+    os.environ.update(env)  # read by Ray Serve's processes as they start, from this one's environment
     ray.init(address=server_args.ray_address, ignore_reinit_error=True, include_dashboard=False,
              log_to_driver=server_args.log_level == "debug")
     stop = _signals()  # after ray.init, which installs its own SIGTERM handler (exit, no drain)
     try:
-        serve.start(http_options={"host": server_args.host, "port": server_args.port})
+        serve.start(http_options={"host": server_args.host, "port": proxy_port})
         front = serve.run(build_application(engine_args, server_args), name="kvmosaic", route_prefix="/")
         model = serve.get_deployment_handle("EngineReplica", "kvmosaic").served_model_name.remote().result()
         host = "127.0.0.1" if server_args.host in ("0.0.0.0", "::") else server_args.host

@@ -84,6 +84,10 @@ class ServerArgs(CliArgs):
                                            "default: start a local one", group=REPLICAS)
     max_replicas_per_node: int | None = option(None, "spread replicas: at most this many on one Ray node",
                                                type=int, group=REPLICAS)
+    direct_ingress: bool = option(True, "on a Ray this command starts, the front itself listens on --port "
+                                        "(Ray Serve's direct ingress: one hop fewer per request and chunk); "
+                                        "--no-direct-ingress, or --ray-address: through Ray Serve's HTTP proxy",
+                                  group=REPLICAS)
 
     def __post_init__(self) -> None:
         if self.tenancy is not None and self.tenancy not in TENANCY_MODES:
