@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .families import Rope
 from .rope_scaling import inv_freq as rope_inv_freq
 from .softcap import softcap_paged_attention
-from .window import layer_view
+from .window import GroupedMetadata, layer_view
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
@@ -269,21 +269,23 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv: PagedKV,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GroupedMetadata,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the packed batch; return logits only at ``logits_index`` (all tokens if None),
         which skips the vocabulary projection for every prompt token but the last."""
         x = self.embed(input_ids)
         ropes = [RopeAt.at(rotary, positions) for rotary in self.rotaries]
-        views: dict[int | None, AttentionMetadata] = {}  # per window, built once per step
+        views: dict[tuple, AttentionMetadata] = {}  # per (group, window), built once per step
         residual = None
+        grouped = isinstance(meta, GroupedMetadata)
         for layer in self.layers:
-            m = meta
+            m = meta.for_layer(layer.layer_idx) if grouped else meta
             if layer.window is not None or layer.softcap is not None:
-                if layer.window not in views:
-                    views[layer.window] = layer_view(meta, layer.window)
-                m = views[layer.window]
+                key = (id(m), layer.window)
+                if key not in views:
+                    views[key] = layer_view(m, layer.window)
+                m = views[key]
             x, residual = layer(x, residual, ropes[layer.rope_index], kv, m)
         if residual is not None:
             x = x + residual

@@ -19,9 +19,25 @@ always are; segment reuse, whose spans are not, is refused for windowed models).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .attention import AttentionMetadata, DecodeBatch, PrefillSpan
+
+
+@dataclass
+class GroupedMetadata:
+    """A step's metadata under a hybrid KV layout (``cache/kv_groups.py``): one
+    :class:`AttentionMetadata` per layer group, built from that group's block tables, and
+    the group of each layer. A window group's tables name page 0 for blocks given back; no
+    query of a windowed layer reaches them (:func:`layer_view` keeps the window only)."""
+
+    groups: list[AttentionMetadata]
+    group_of: tuple[int, ...]
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self.groups[self.group_of[layer]]
 
 
 def layer_view(meta: AttentionMetadata, window: int | None) -> AttentionMetadata:
