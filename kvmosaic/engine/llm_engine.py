@@ -453,6 +453,13 @@ class LLMEngine:
             **self._slot_usage(),
         )
 
+    def kv_bytes_held(self, request_id: str) -> int:
+        """Bytes of the KV pages ``request_id`` holds a reference on, every layer group (a
+        window group's given-back blocks not counted; docs/ARCHITECTURE.md, "Hybrid KV layout")."""
+        held = (self.cache.held_pages(request_id) if self.kv_layout.hybrid
+                else self.cache.block_table(request_id))
+        return len(held) * self.kv.page_bytes
+
     def _slot_usage(self) -> dict[str, int]:
         """Slots of the blocks running requests hold, and how many hold a computed token (a
         shared block counts once, at its fullest): the pool's utilisation under load."""
