@@ -23,6 +23,7 @@ ENGINE_FLAGS = {
     "max_num_batched_tokens": ["--max-num-batched-tokens", "1024"], "max_num_seqs": ["--max-num-seqs", "9"],
     "cascade_attention": ["--no-cascade-attention"], "max_model_len": ["--max-model-len", "512"],
     "enable_prefix_caching": ["--no-enable-prefix-caching"], "prefix_cache": ["--prefix-cache", "radix"],
+    "kv_layout": ["--kv-layout", "full"],
     "hash_algo": ["--hash-algo", "xxh3_128"], "verify_tokens": ["--verify-tokens"],
     "scheduling_policy": ["--scheduling-policy", "lpm"], "eviction_policy": ["--eviction-policy", "lru"],
     "num_threads": ["--num-threads", "3"], "adaptive_threads": ["--no-adaptive-threads"],

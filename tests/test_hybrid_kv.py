@@ -140,8 +140,15 @@ def test_groups_never_share_a_page_and_group_zero_publishes_the_plain_chain():
     a = Req("a", list(range(20)))
     assert step(mgr, kv, a, 20, mgr.match_prefix(a))
     hashes = mgr.new_hasher().update(a.all_token_ids)
-    stored = {h for e in mgr.pool.events.drain()[0] for h in getattr(e, "block_hashes", ())}
-    assert set(hashes) <= stored and {group_key(h, 1) for h in hashes[2:]} <= stored
+    events = mgr.pool.events.drain()[0]
+    stored = {h: (e.group_idx, e.kv_cache_spec_kind, e.kv_cache_spec_sliding_window)
+              for e in events for h in e.block_hashes}
+    assert all(stored[h] == (0, "full_attention", None) for h in hashes)
+    assert all(stored[group_key(h, 1)] == (1, "sliding_window", 8) for h in hashes)
+    from kvmosaic.server.events import to_wire  # the wire format (vLLM's fields) says it too
+
+    wire = to_wire(next(e for e in events if e.block_hashes == [group_key(hashes[0], 1)]))
+    assert (wire.group_idx, wire.kv_cache_spec_kind, wire.kv_cache_spec_sliding_window) == (1, "sliding_window", 8)
     pages = [p for _, p in mgr.held_pages("a")]
     assert len(pages) == len(set(pages))
     mgr.free(a)

@@ -62,6 +62,7 @@ class HybridCacheManager(KVCacheManager):
                  enable_caching: bool = True) -> None:
         super().__init__(pool, seed, hash_fn, None)
         self.layout = layout
+        pool.groups = layout.groups
         self.enable_caching = enable_caching
         self.tables: dict[str, list[Table]] = {}
         self.num_committed: dict[str, list[int]] = {}
@@ -179,7 +180,7 @@ class HybridCacheManager(KVCacheManager):
                 if table[i] is not None:
                     parent = group_key(hashes[i - 1], g) if i else None
                     self.pool.cache_block(table[i], group_key(hashes[i], g), parent,
-                                          tokens[i * bs : (i + 1) * bs], req.adapter_id)
+                                          tokens[i * bs : (i + 1) * bs], req.adapter_id, g)
             done[g] = max(done[g], end)
 
     def fork(self, parent: CacheRequest, child: CacheRequest, num_tokens: int) -> bool:
