@@ -99,3 +99,21 @@ def test_hybrid_layout_matches_the_classic_one_and_holds_under_a_third(model, mo
         with torch.no_grad():
             ref = hf.generate(ids, attention_mask=torch.ones_like(ids), generation_config=gen)
         assert outs[0].token_ids == ref[0, ids.shape[1]:].tolist()
+
+
+def test_forked_samples_share_and_copy_every_group(model):
+    """``n > 1``: the samples fork at the prompt's end (full blocks shared and the partial one
+    copied in each group, given-back window blocks not taken) and equal lone seeded requests."""
+    path, _ = model
+    llm = make_llm(model=path, block_size=BLOCK, num_kv_blocks=160)
+    engine, prompt = llm.engine, prompts()[0][:203]  # ends inside a block
+    outs = llm.generate([prompt], SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=11))
+    st = engine.get_stats()
+    assert st.prefix_cache_queries - st.prefix_cache_hits == len(prompt)  # the prompt ran once
+    assert engine.cache.size_info().in_use == 0
+    llm.reset_prefix_cache()
+    for j, o in enumerate(outs):
+        lone = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=1.0, seed=11 + j))[0]
+        assert lone.token_ids == o.token_ids, j
+    engine.pool.check_invariants()
+    assert engine.cache.size_info().in_use == 0

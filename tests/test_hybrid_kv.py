@@ -198,3 +198,24 @@ def test_random_workload_keeps_kv_exact_and_accounting_whole(seed):
         mgr.free(req)
     mgr.pool.check_invariants()
     assert mgr.size_info().in_use == 0 and not mgr.tables
+
+
+def test_pinned_prefix_keeps_the_pages_a_hit_needs():
+    mgr, kv = manager([None, 8], num_blocks=40), FakeKV()
+    a = Req("a", list(range(41)))
+    assert step(mgr, kv, a, 41, mgr.match_prefix(a))
+    mgr.free(a)
+    pin = mgr.pin_prefix(list(range(40)))
+    assert pin.num_tokens == 40 and pin.num_blocks == 10 + 2  # the full group's 10, the window's last 2
+    # memory pressure: every unpinned page is taken and its content evicted
+    hog = Req("hog", [99] * 4 * ((mgr.pool.num_free_blocks - 2) // 2))  # all but two pages
+    assert step(mgr, kv, hog, len(hog.all_token_ids), mgr.match_prefix(hog))
+    b = Req("b", list(range(40)) + [5])
+    assert mgr.match_prefix(b).num_tokens == 40
+    assert step(mgr, kv, b, 1, mgr.match_prefix(b))
+    for r in (hog, b):
+        mgr.free(r)
+    mgr.unpin(pin.pin_id)
+    mgr.pool.check_invariants()
+    assert mgr.size_info().in_use == 0
+
