@@ -136,7 +136,8 @@ class LLMEngine:
         self.device = config.torch_device
         self.threads = (ThreadBudget(config.num_threads or DEFAULT_THREADS)
                         if config.adaptive_threads and self.device.type == "cpu" else None)
-        bundle = load_model_bundle(config.model, config.dtype, str(self.device), config.quantization)
+        bundle = load_model_bundle(config.model, config.dtype, str(self.device), config.quantization,
+                                   config.max_model_len)  # longrope's RoPE tables follow the context
         self.model, self.tokenizer = bundle.model, with_chat_template(bundle.tokenizer, config.chat_template)
         self.model_name, self.model_config = bundle.name, bundle.config
         self.model_fingerprint = bundle.fingerprint

@@ -90,7 +90,8 @@ def hf_config(fields: dict, has_output: bool) -> dict:
             cfg["sliding_window_pattern"] = int(pattern)
     rotary = get("rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:
-        cfg["partial_rotary_factor"] = int(rotary) / head_dim  # refused by families.traits_from_hf
+        raise ValueError(f"{arch}: partial rotary ({rotary} of {head_dim} dimensions) from GGUF is not supported "
+                         "yet (a safetensors folder with partial_rotary_factor loads)")
     if get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
     return cfg
