@@ -78,3 +78,18 @@ def test_longrope_short_factors_within_the_original_context(tmp_path):
     assert short.engine.model is not make_llm(model=str(tmp_path), max_model_len=512).engine.model
     long = make_llm(model=str(tmp_path), block_size=16, num_kv_blocks=32)  # the shared model: long factors
     assert long.generate([ids], params)[0].logprobs[0] != out.logprobs[0]
+
+
+@pytest.mark.parametrize("extra, words", [({"llama.rope.scaling.type": "yarn"}, "RoPE scaling 'yarn' from GGUF"),
+                                          ({"llama.rope.dimension_count": 12}, "partial rotary (12 of 16")])
+def test_gguf_refuses_what_it_cannot_say_in_one_line(extra, words):
+    """A GGUF header names neither yarn's original context nor llama.cpp's partial-rotary layout
+    the way transformers does: refused, where a safetensors folder loads."""
+    from kvmosaic.model.gguf_arch import hf_config
+
+    fields = {"general.architecture": "llama", "llama.attention.head_count": 4, "llama.embedding_length": 64,
+              "llama.attention.key_length": 16, "llama.vocab_size": 272, "llama.feed_forward_length": 128,
+              "llama.block_count": 2, **extra}
+    with pytest.raises(ValueError) as err:
+        hf_config(fields, True)
+    assert words in str(err.value) and "\n" not in str(err.value)

@@ -75,7 +75,10 @@ def hf_config(fields: dict, has_output: bool) -> dict:
     }
     if get("rope.freq_base") is not None:
         cfg["rope_theta"] = float(get("rope.freq_base"))
-    if get("rope.scaling.type") not in (None, "none"):
+    if get("rope.scaling.type") not in (None, "none", "linear"):
+        raise ValueError(f"{arch}: RoPE scaling {get('rope.scaling.type')!r} from GGUF is not supported yet "
+                         "(a safetensors folder with it loads)")
+    if get("rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": get("rope.scaling.type"), "factor": float(get("rope.scaling.factor", 1.0))}
     if arch in GEMMA_27B_LAYERS:
         big = cfg["num_hidden_layers"] == GEMMA_27B_LAYERS[arch]
