@@ -291,6 +291,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed(input_ids)
         ropes = [RopeAt.at(rotary, positions) for rotary in self.rotaries]
         views: dict[tuple, AttentionMetadata] = {}  # per (group, window), built once per step
+        bands: dict = {}  # band masks, shared by the groups (positions only)
         residual = None
         grouped = isinstance(meta, GroupedMetadata)
         for layer in self.layers:
@@ -298,7 +299,7 @@ class LlamaForCausalLM(nn.Module):
             if layer.window is not None or layer.softcap is not None:
                 key = (id(m), layer.window)
                 if key not in views:
-                    views[key] = layer_view(m, layer.window)
+                    views[key] = layer_view(m, layer.window, bands)
                 m = views[key]
             x, residual = layer(x, residual, ropes[layer.rope_index], kv, m)
         if residual is not None:
