@@ -24,6 +24,7 @@ ENGINE_FLAGS = {
     "fair_share_chunk_tokens": ["--fair-share-chunk-tokens", "64"],
     "cascade_attention": ["--no-cascade-attention"], "max_model_len": ["--max-model-len", "512"],
     "enable_prefix_caching": ["--no-enable-prefix-caching"], "prefix_cache": ["--prefix-cache", "radix"],
+    "kv_layout": ["--kv-layout", "full"],
     "hash_algo": ["--hash-algo", "xxh3_128"], "verify_tokens": ["--verify-tokens"],
     "scheduling_policy": ["--scheduling-policy", "lpm"], "eviction_policy": ["--eviction-policy", "lru"],
     "num_threads": ["--num-threads", "3"], "adaptive_threads": ["--no-adaptive-threads"],

@@ -141,7 +141,8 @@ def test_greedy_steps_match_transformers(family, mode, monkeypatch):
         assert cached == [0, 0, 0, 0]
     else:
         assert min(cached[:3]) >= 64 and cached[3] >= 80, cached  # hits reach into the windows
-        assert cascades[0] > 0, "the shared-prefix decodes never ran as a cascade"
+        if any(g.window is None for g in llm.engine.kv_layout.groups):  # all windowed: no full group to cascade
+            assert cascades[0] > 0, "the shared-prefix decodes never ran as a cascade"
 
 
 @pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", "int8")])

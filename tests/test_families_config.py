@@ -56,11 +56,8 @@ def test_gemma3_rope_bases_per_layer_type():
 @pytest.mark.parametrize("cfg, words", [
     ({"model_type": "gpt2", "num_hidden_layers": 2}, "architecture 'gpt2' is not supported; supported: "
                                                      + ", ".join(SUPPORTED)),
-    ({"model_type": "llama", "num_hidden_layers": 2, "rope_scaling": {"rope_type": "yarn", "factor": 8.0}},
-     "RoPE type 'yarn' is not supported yet; supported: default, linear, llama3"),
-    ({"model_type": "phi3", "num_hidden_layers": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 1e4,
-                                                                         "partial_rotary_factor": 0.75}},
-     "partial_rotary_factor"),
+    ({"model_type": "llama", "num_hidden_layers": 2, "rope_scaling": {"rope_type": "dynamic", "factor": 8.0}},
+     "RoPE type 'dynamic' is not supported yet; supported: default, linear, llama3, yarn, longrope"),
     ({"model_type": "llama", "num_hidden_layers": 2, "mlp_bias": True}, "mlp_bias"),
     ({"model_type": "gemma3_text", "num_hidden_layers": 2, "use_bidirectional_attention": True}, "bidirectional"),
 ])

@@ -19,6 +19,9 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
               num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
               bos_token_id=256, eos_token_id=257, pad_token_id=258, tie_word_embeddings=False)
 
+LONGROPE = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 64,
+            "short_factor": [1.0 + 0.15 * i for i in range(6)], "long_factor": [1.5 + 0.9 * i for i in range(6)]}
+
 # family -> (transformers config class name, overrides). Windows of 32 tokens (2 blocks of 16)
 # so that the tests' ~100-token prompts run past them.
 FAMILIES = {
@@ -27,10 +30,17 @@ FAMILIES = {
         "rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "low_freq_factor": 1.0,
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2": ("Qwen2Config", {}),
+    "qwen2-yarn": ("Qwen2Config", dict(max_position_embeddings=256, rope_parameters={  # Qwen2.5's long context
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2-window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32, max_window_layers=1)),
     "qwen3": ("Qwen3Config", {}),
     "mistral": ("MistralConfig", dict(sliding_window=32)),
     "phi3": ("Phi3Config", dict(sliding_window=40)),
+    "phi3-partial": ("Phi3Config", dict(partial_rotary_factor=0.5)),
+    # Phi-4-mini's RoPE: longrope (the prompts run past the original 64 positions: long factors)
+    # over the first 3/4 of each head
+    "phi4-longrope": ("Phi3Config", dict(partial_rotary_factor=0.75, original_max_position_embeddings=64,
+                                         rope_parameters=LONGROPE)),
     "gemma2": ("Gemma2Config", dict(sliding_window=32, query_pre_attn_scalar=24, tie_word_embeddings=True,
                                     attn_logit_softcapping=8.0, final_logit_softcapping=6.0)),
     "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=3, sliding_window=24, query_pre_attn_scalar=24,

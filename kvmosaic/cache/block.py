@@ -21,7 +21,7 @@ class KVBlock:
     """
 
     __slots__ = ("block_id", "ref_cnt", "block_hash", "token_ids", "prev_free", "next_free",
-                 "last_access", "hits", "priority")
+                 "last_access", "hits", "priority", "group")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -33,6 +33,7 @@ class KVBlock:
         self.last_access = 0
         self.hits = 0
         self.priority = 0
+        self.group = 0  # the KV layer group (cache/kv_groups.py) whose content the block holds
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None

@@ -87,6 +87,9 @@ class BlockPool:
         # (write-through / write-back). None: no tiers, nothing to pay on the hot path. Given at
         # construction (docs/ARCHITECTURE.md, "Storage tiers").
         self.observer: BlockObserver | None = observer
+        # The KV layer groups (cache/kv_groups.KVGroup) when the pool serves a hybrid layout,
+        # set by its manager (cache/hybrid.py); events name each block's group. None: one group.
+        self.groups: tuple | None = None
 
     def set_eviction_policy(self, policy: str) -> None:
         """Switch the evictor; the evictable blocks move over (in the new policy's order)."""
@@ -193,9 +196,11 @@ class BlockPool:
         parent_hash: BlockHash | None,
         token_ids: Sequence[int],
         adapter_id: str | None = None,
+        group: int = 0,
     ) -> bool:
         """Index a full block whose KV has been written. Returns False (and indexes nothing)
-        when another block already holds this hash: the first copy stays canonical."""
+        when another block already holds this hash: the first copy stays canonical.
+        ``group``: the KV layer group whose page it is (``self.groups``; events name it)."""
         if block.block_hash is not None:
             return block.block_hash == block_hash
         if block_hash in self.cached:
@@ -204,8 +209,11 @@ class BlockPool:
         if self.verify_tokens:
             block.token_ids = tuple(token_ids)
         self.cached[block_hash] = block
+        block.group = group
+        spec = self.groups[group] if self.groups else None
         self.events.emit(
-            BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, adapter_id, self.medium)
+            BlockStored([block_hash], parent_hash, list(token_ids), self.block_size, adapter_id, self.medium,
+                        group, spec.kind if spec else "full_attention", spec.window if spec else None)
         )
         if self.observer is not None:
             self.observer.on_cache(block, block_hash, parent_hash, token_ids)
@@ -224,7 +232,7 @@ class BlockPool:
         if self.observer is not None:  # before the hash goes: the KV is still in the block
             self.observer.on_uncache(block, block.block_hash, evicted)
         del self.cached[block.block_hash]
-        self.events.emit(BlockRemoved([block.block_hash], self.medium))
+        self.events.emit(BlockRemoved([block.block_hash], self.medium, block.group))
         block.block_hash = None
         block.token_ids = None
         self.num_evictions += evicted

@@ -20,12 +20,17 @@ class BlockStored:
     block_size: int
     lora_id: str | None = None
     medium: str = "CPU"
+    # The KV cache group (cache/kv_groups.py) whose page this is, as vLLM's events name it.
+    group_idx: int = 0
+    kv_cache_spec_kind: str = "full_attention"
+    kv_cache_spec_sliding_window: int | None = None
 
 
 @dataclass(frozen=True)
 class BlockRemoved:
     block_hashes: list[bytes]
     medium: str = "CPU"
+    group_idx: int = 0
 
 
 @dataclass(frozen=True)

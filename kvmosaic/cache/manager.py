@@ -224,6 +224,10 @@ class KVCacheManager(ABC):
     def block_table(self, request_id: str) -> list[int]:
         return [b.block_id for b in self.req_blocks.get(request_id, ())]
 
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """One table per KV layer group (``cache/kv_groups.py``): here the one group."""
+        return [self.block_table(request_id)]
+
     def num_blocks_needed(self, req: CacheRequest, num_tokens: int, match: MatchResult | None) -> int:
         have = len(self.req_blocks.get(req.request_id, ()))
         if match is not None and req.request_id not in self.req_blocks:

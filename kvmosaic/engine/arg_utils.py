@@ -137,6 +137,10 @@ class EngineArgs(CliArgs):
     enable_prefix_caching: bool = option(True, "--no-enable-prefix-caching is --prefix-cache none")
     prefix_cache: str | None = option(None, "hash (vLLM's block hash chain), radix (SGLang's tree) or none "
                                             "(default: hash)", choices=PREFIX_CACHES)
+    kv_layout: str = option("auto", "auto: sliding-window layers (Mistral, Gemma 2/3, ...) keep only their "
+                                    "window's KV and give older blocks back (hash or no prefix cache, no "
+                                    "tiers; docs/ARCHITECTURE.md); full: every layer keeps the whole context",
+                            choices=("auto", "full"))
     hash_algo: str = option("sha256", "the block hash: sha256 (fixed-width ids), sha256_cbor (vLLM's) or "
                                       "xxh3_128", choices=HASH_ALGOS)
     verify_tokens: bool = option(False, "compare tokens on every hash hit (guards against collisions)")

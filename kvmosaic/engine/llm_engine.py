@@ -28,6 +28,8 @@ from ..blend.engine_hook import SegmentReuse
 from ..cache.block_pool import BlockPool
 from ..cache.events import EventLog
 from ..cache.hashing import get_hash_fn, make_seed
+from ..cache.hybrid import HybridCacheManager
+from ..cache.kv_groups import KVLayout
 from ..cache.manager import HashCacheManager, KVCacheManager, TierLookup
 from ..kv.connector import KVConnector
 from ..kv.paged import PagedKVCache
@@ -93,11 +95,28 @@ class ModelInfo:
     quantization: str | None = None  # weight-only quantization (model/quant.py); in ``fingerprint`` too
 
 
+def kv_layout_for(config: EngineConfig, windows: list[int | None]) -> KVLayout:
+    """The hybrid layout (``cache/kv_groups.py``) where the model has sliding-window layers and
+    ``--kv-layout auto``; the classic one otherwise, and (logged) with the radix backend or
+    storage tiers, which keep every block (docs/ARCHITECTURE.md, "Hybrid KV layout")."""
+    layout = KVLayout.plan(windows)
+    if not layout.hybrid or config.kv_layout == "full":
+        return KVLayout.full(len(windows))
+    if config.prefix_cache == "radix" or config.kv_tiers:
+        logger.info("sliding-window layers keep the whole context's KV: the hybrid KV layout needs the hash "
+                    "prefix cache (or none) and no storage tiers")
+        return KVLayout.full(len(windows))
+    return layout
+
+
 def make_cache_manager(config: EngineConfig, pool: BlockPool, seed: bytes,
-                       tiers: TierLookup | None = None) -> KVCacheManager:
-    """The configured backend; ``tiers``: storage tiers looked up past a pool miss."""
+                       tiers: TierLookup | None = None, layout: KVLayout | None = None) -> KVCacheManager:
+    """The configured backend; ``tiers``: storage tiers looked up past a pool miss; ``layout``:
+    a hybrid KV layout gets the per-group hash backend (``cache/hybrid.py``)."""
     hash_fn = get_hash_fn(config.hash_algo)
     pool.set_eviction_policy(config.eviction_policy)
+    if layout is not None and layout.hybrid:
+        return HybridCacheManager(pool, seed, hash_fn, layout, enable_caching=config.prefix_cache == "hash")
     if config.prefix_cache == "radix":
         from ..cache.radix import RadixCacheManager
 
@@ -113,7 +132,8 @@ class LLMEngine:
         self.device = config.torch_device
         self.threads = (ThreadBudget(config.num_threads or DEFAULT_THREADS)
                         if config.adaptive_threads and self.device.type == "cpu" else None)
-        bundle = load_model_bundle(config.model, config.dtype, str(self.device), config.quantization)
+        bundle = load_model_bundle(config.model, config.dtype, str(self.device), config.quantization,
+                                   config.max_model_len)  # longrope's RoPE tables follow the context
         self.model, self.tokenizer = bundle.model, with_chat_template(bundle.tokenizer, config.chat_template)
         self.model_name, self.model_config = bundle.name, bundle.config
         self.model_fingerprint = bundle.fingerprint
@@ -121,7 +141,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         num_blocks = config.num_kv_blocks or PagedKVCache.num_blocks_for_budget(
             cfg, config.block_size, config.torch_dtype, config.kv_cache_memory)
-        self.kv = PagedKVCache(cfg, num_blocks, config.block_size, config.torch_dtype, self.device)
+        # Sliding-window layers in groups of their own (cache/kv_groups.py): the same memory,
+        # in pages of fewer layers; num_blocks stays the classic layout's count (prompt limits).
+        self.kv_layout = kv_layout_for(config, [layer.window for layer in self.model.layers])
+        self.kv = PagedKVCache(cfg, self.kv_layout.pages_for(num_blocks), config.block_size, config.torch_dtype,
+                               self.device, self.kv_layout)
         self.events = EventLog(enabled=config.enable_kv_events)
         # Storage tiers below the pool (kvmosaic/kv/tiered.py; None: off), built first and given
         # to the pool (observer), the cache manager (lookup), the scheduler (its connector) and
@@ -130,10 +154,10 @@ class LLMEngine:
         if self.tiers is not None:
             self._tiers_finalizer = weakref.finalize(self, self.tiers.close)
         medium = "GPU" if self.device.type == "cuda" else self.device.type.upper()
-        self.pool = BlockPool(num_blocks, config.block_size, self.events, config.verify_tokens, medium=medium,
+        self.pool = BlockPool(self.kv.num_blocks, config.block_size, self.events, config.verify_tokens, medium=medium,
                               observer=self.tiers)
         seed = make_seed(self.model_fingerprint, config.dtype, config.block_size, config.hash_algo)
-        self.cache = make_cache_manager(config, self.pool, seed, self.tiers)
+        self.cache = make_cache_manager(config, self.pool, seed, self.tiers, self.kv_layout)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                             config.scheduling_policy, fair_chunk_tokens=config.fair_share_chunk_tokens),
@@ -262,7 +286,8 @@ class LLMEngine:
         copies = self.cache.take_pending_copies()
         if copies:
             self.kv.copy_blocks([(c.src, c.dst, c.num_tokens) for c in copies])
-        batch = [(s, self.cache.block_table(s.seq.request_id)) for s in sched.scheduled]
+        tables = self.cache.block_tables if self.kv_layout.hybrid else self.cache.block_table
+        batch = [(s, tables(s.seq.request_id)) for s in sched.scheduled]
         if not self.segment_reuse.enabled:
             return self.runner.execute(batch)
         # Segment reuse: one blend forward per newly admitted segmented prompt.
@@ -381,11 +406,20 @@ class LLMEngine:
             **self._slot_usage(),
         )
 
+    def kv_bytes_held(self, request_id: str) -> int:
+        """Bytes of the KV pages ``request_id`` holds a reference on, every layer group (a
+        window group's given-back blocks not counted; docs/ARCHITECTURE.md, "Hybrid KV layout")."""
+        held = (self.cache.held_pages(request_id) if self.kv_layout.hybrid
+                else self.cache.block_table(request_id))
+        return len(held) * self.kv.page_bytes
+
     def _slot_usage(self) -> dict[str, int]:
         """Slots of the blocks running requests hold, and how many hold a computed token (a
         shared block counts once, at its fullest): the pool's utilisation under load."""
         bs, filled = self.pool.block_size, {}
         for seq in self.scheduler.running:
-            for i, bid in enumerate(self.cache.block_table(seq.request_id)):
+            held = (self.cache.held_pages(seq.request_id) if self.kv_layout.hybrid
+                    else enumerate(self.cache.block_table(seq.request_id)))
+            for i, bid in held:
                 filled[bid] = max(filled.get(bid, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
         return {"kv_slots_allocated": len(filled) * bs, "kv_slots_used": sum(filled.values())}

@@ -10,6 +10,7 @@ from ..kv.paged import PagedKVCache
 from ..model import kernels
 from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefix, prefill_mask
 from ..model.llama import LlamaForCausalLM
+from ..model.window import GroupedMetadata
 from .scheduler import ScheduledSeq
 
 # Cascade decode attention (model/attention.py) for a prefix shared by at least two decodes and
@@ -42,8 +43,21 @@ class ModelRunner:
         self.cascade = cascade and cascade_pays(model, kv)
         self.device = kv.device
 
-    def prepare(self, batch: list[tuple[ScheduledSeq, list[int]]]):
-        """Build the packed inputs; ``batch`` pairs each scheduled sequence with its table."""
+    def prepare(self, batch: list[tuple[ScheduledSeq, list]]):
+        """Build the packed inputs; ``batch`` pairs each scheduled sequence with its table, or
+        under a hybrid KV layout with its tables, one per layer group (then the metadata is a
+        :class:`GroupedMetadata`; window groups never cascade: their layers' views dissolve it)."""
+        layout = self.kv.layout
+        if not layout.hybrid:
+            return self._prepare(batch, self.cascade)
+        metas = []
+        for g, group in enumerate(layout.groups):
+            ids, pos, meta, logits_index, sampling = self._prepare(
+                [(s, tables[g]) for s, tables in batch], self.cascade and group.window is None)
+            metas.append(meta)
+        return ids, pos, GroupedMetadata(metas, layout.group_of), logits_index, sampling
+
+    def _prepare(self, batch: list[tuple[ScheduledSeq, list[int]]], cascade: bool):
         ids, pos, slot_map, logits_index, sampling = [], [], [], [], []
         prefills: list[PrefillSpan] = []
         dec_index, dec_slots, dec_tables = [], [], []
@@ -67,14 +81,15 @@ class ModelRunner:
                 sampling.append(s)
         decode = None
         if dec_index:
-            decode = self._decode_batch(dec_index, dec_slots, dec_tables)
+            decode = self._decode_batch(dec_index, dec_slots, dec_tables, cascade)
         meta = AttentionMetadata(torch.cat(slot_map), prefills, decode)
         return torch.tensor(ids, dtype=torch.long), torch.cat(pos), meta, torch.tensor(logits_index, dtype=torch.long), sampling
 
-    def _decode_batch(self, index: list[int], slots: list[torch.Tensor], tables: list[list[int]]) -> DecodeBatch:
+    def _decode_batch(self, index: list[int], slots: list[torch.Tensor], tables: list[list[int]],
+                      cascade: bool = True) -> DecodeBatch:
         bs = self.kv.block_size
         shared = []
-        groups = shared_prefixes(tables, [len(x) for x in slots], bs, CASCADE_MIN_BLOCKS) if self.cascade else []
+        groups = shared_prefixes(tables, [len(x) for x in slots], bs, CASCADE_MIN_BLOCKS) if cascade else []
         for num_blocks, members in groups:
             shared.append(SharedPrefix(slots[members[0]][: num_blocks * bs], torch.tensor(members)))
             for i in members:
@@ -127,7 +142,9 @@ def shared_prefixes(tables: list[list[int]], ctx_lens: list[int], block_size: in
     return groups
 
 
-def _to_device(meta: AttentionMetadata, dev: torch.device) -> AttentionMetadata:
+def _to_device(meta: AttentionMetadata | GroupedMetadata, dev: torch.device) -> AttentionMetadata | GroupedMetadata:
+    if isinstance(meta, GroupedMetadata):
+        return GroupedMetadata([_to_device(m, dev) for m in meta.groups], meta.group_of)
     mv = lambda x: None if x is None else x.to(dev, non_blocking=True)  # noqa: E731
     prefills = [PrefillSpan(p.start, p.end, mv(p.ctx_slots), mv(p.mask)) for p in meta.prefills]
     d = meta.decode

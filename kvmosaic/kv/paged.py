@@ -3,6 +3,10 @@
 Layout: ``[num_layers, 2 (K, V), num_blocks, block_size, num_kv_heads, head_dim]``. A token's
 KV lives at *slot* ``block_id * block_size + offset`` of every layer; attention reads a
 sequence's context through the slots its block table names. K is stored after RoPE.
+
+With a hybrid layout (``cache/kv_groups.py``) the first axis has ``page_layers`` rows and a
+block is a *page* of one layer group: layer ``l`` reads and writes row ``row_of[l]``, through
+the slots of its group's block table, so groups hold pages independently.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 from typing import Protocol
 
 import torch
+
+from ..cache.kv_groups import KVLayout
 
 
 class KVShape(Protocol):
@@ -35,20 +41,23 @@ class PagedKVCache:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
+        layout: KVLayout | None = None,
     ) -> None:
         self.config = config
+        self.layout = layout or KVLayout.full(config.num_layers)
+        rows = self.layout.page_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.dtype = dtype
         self.device = torch.device(device)
         self.buffer = torch.zeros(
-            config.num_layers, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim,
-            dtype=dtype, device=self.device,
+            rows, 2, num_blocks, block_size, config.num_kv_heads, config.head_dim, dtype=dtype, device=self.device,
         )
         # Flat per-layer views: [num_slots, kv_heads, head_dim], indexed by slot.
-        kv = self.buffer.view(config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k = [kv[i, 0] for i in range(config.num_layers)]
-        self.v = [kv[i, 1] for i in range(config.num_layers)]
+        kv = self.buffer.view(rows, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        row_of = self.layout.row_of
+        self.k = [kv[row_of[i], 0] for i in range(config.num_layers)]
+        self.v = [kv[row_of[i], 1] for i in range(config.num_layers)]
 
     @staticmethod
     def num_blocks_for_budget(config: KVShape, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:
@@ -57,6 +66,11 @@ class PagedKVCache:
     @property
     def bytes_per_token(self) -> int:
         return self.config.kv_bytes_per_token(dtype_bytes(self.dtype))
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one block (page) of the pool: ``page_layers`` layers' K and V."""
+        return self.nbytes // self.num_blocks
 
     @property
     def nbytes(self) -> int:

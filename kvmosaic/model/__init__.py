@@ -50,10 +50,26 @@ class ModelBundle:
     stop_token_ids: tuple[int, ...] = ()  # EOS and the model's other end-of-generation ids
 
 
+def load_model_bundle(model: str | None, dtype: str, device: str, quantization: str | None = None,
+                      max_model_len: int | None = None) -> ModelBundle:
+    """The model (shared by the engines of a process that ask for the same one). ``max_model_len``:
+    the context an engine serves; it matters only to longrope, whose factor set follows it
+    (families.Rope), and then the engine gets a model of its own with those RoPE tables."""
+    bundle = _load_model_bundle(model, dtype, device, quantization, None)
+    cfg = bundle.config
+    if max_model_len is None or max_model_len >= cfg.max_position_embeddings or \
+            not any(r.kind == "longrope" for r in bundle.model.ropes):
+        return bundle
+    return _load_model_bundle(model, dtype, device, quantization, max_model_len)
+
+
 @functools.lru_cache(maxsize=2)
-def load_model_bundle(model: str | None, dtype: str, device: str, quantization: str | None = None) -> ModelBundle:
+def _load_model_bundle(model: str | None, dtype: str, device: str, quantization: str | None,
+                       rope_positions: int | None) -> ModelBundle:
     weights = load_weights(model)
     built = build_model(weights, DTYPES[dtype], device, quantization)
+    if rope_positions is not None:
+        built.reset_rotary(device, rope_positions)
     tokenizer = load_tokenizer(weights.tokenizer_dir, weights.gguf_file)
     fingerprint = quantized_fingerprint(weights.fingerprint, quantization)
     stops = stop_token_ids(tokenizer, None if weights.gguf_file else weights.tokenizer_dir) + weights.stop_token_ids

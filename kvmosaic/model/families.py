@@ -17,12 +17,13 @@ gemma3     -       (1+w)   (1+w), pre and post   GeGLU     qpas          layer_t
 ========== ======= ======= ===================== ========= ============= =====================
 
 (``gemma3``, the multimodal checkpoint, loads its language model: ``text_config``, text in and
-out.) RoPE may be scaled ``linear`` or ``llama3`` (:class:`Rope`), per layer type for Gemma 3.
+out.) RoPE may be scaled ``linear``, ``llama3``, ``yarn`` or ``longrope`` (:class:`Rope`), per layer
+type for Gemma 3, and rotate only the first ``partial_rotary_factor`` of each head (Phi-4-mini).
 
 (``qpas``: ``query_pre_attn_scalar ** -0.5``; Gemma also scales embeddings by sqrt(hidden), and
 Gemma 2 caps final logits.) A window ``W`` means the query at position ``p`` sees keys at
 ``p - W < j <= p``, as transformers' ``sliding_window_overlay``. Anything the table cannot
-express (RoPE scalings but linear and llama3, partial rotary, biases elsewhere, bidirectional attention, a vision
+express (other RoPE scalings, biases elsewhere, bidirectional attention, a vision
 tower's input: images) is refused by :func:`traits_from_hf` with a one-line ``ValueError`` naming the reason,
 before any weight is read.
 """
@@ -41,9 +42,21 @@ ACTIVATIONS = ("silu", "gelu_pytorch_tanh")
 @dataclass(frozen=True)
 class Rope:
     """One RoPE table's parameters: the base, and a scaling transformers names ``linear``
-    (every frequency divided by ``factor``: Gemma 3's global layers) or ``llama3`` (low
-    frequencies divided, high kept, a smooth ramp between: Llama 3.1+), or llama.cpp's
-    per-frequency divisors (``freq_factors``, a GGUF's ``rope_freqs`` tensor)."""
+    (every frequency divided by ``factor``: Gemma 3's global layers), ``llama3`` (low
+    frequencies divided, high kept, a smooth ramp between: Llama 3.1+), ``yarn`` (the same idea
+    with YaRN's ramp over ``beta_fast`` / ``beta_slow`` rotations, and cos/sin scaled by
+    ``attention_factor``: Qwen2.5/3 long context) or ``longrope`` (per-frequency divisors,
+    ``short_factor`` or ``long_factor``, and ``attention_factor``: Phi-3/3.5/4 long context), or
+    llama.cpp's per-frequency divisors (``freq_factors``, a GGUF's ``rope_freqs`` tensor).
+    ``partial``: the fraction of each head's dimensions that rotate (the rest pass through).
+
+    longrope picks its factor set by sequence length in transformers (``long`` past
+    ``original_max_positions``) and recomputes nothing it cached; a paged cache shared by
+    requests must rotate a token the same way whatever comes later, so kvmosaic picks one set
+    per engine: ``long`` when the context it serves (``--max-model-len``) passes
+    ``original_max_positions``, else ``short`` — transformers' own choice for every sequence
+    that stays within (short), or whose prompt already passes, the original length (long).
+    """
 
     theta: float
     kind: str = "default"  # default | linear | llama3
@@ -52,6 +65,13 @@ class Rope:
     high_freq_factor: float = 4.0
     original_max_positions: int = 8192
     freq_factors: tuple[float, ...] = ()
+    partial: float = 1.0
+    attention_factor: float = 1.0  # yarn, longrope: cos and sin are multiplied by it
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()  # longrope
+    long_factor: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -80,34 +100,40 @@ class Traits:
     def segment_reuse_ok(self) -> bool:
         """Segment reuse (blend/) runs the plain decoder step by step; it has no windows, caps,
         embedding scale or per-layer RoPE bases."""
-        return not (self.windows or len(set(self.ropes)) > 1 or self.attn_softcap or self.embed_scale)
+        return not (self.windows or len(set(self.ropes)) > 1 or self.attn_softcap or self.embed_scale
+                    or any(r.kind in ("yarn", "longrope") or r.partial != 1.0 for r in self.ropes))
 
 
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn", "longrope")
 
 
-def _rope(params: dict, theta: float, where: str) -> Rope:
-    """A RoPE from a ``rope_parameters`` / ``rope_scaling`` dict; unknown scalings are refused."""
+def _rope(params: dict, theta: float, where: str, cfg: dict | None = None) -> Rope:
+    """A RoPE from a ``rope_parameters`` / ``rope_scaling`` dict (``cfg``: the whole config, for
+    the fields older files keep at its top level); unknown scalings are refused."""
+    cfg = cfg or {}
     kind = params.get("rope_type", params.get("type", "default"))
     if kind not in ROPE_KINDS:
         raise ValueError(f"{where}: RoPE type {kind!r} is not supported yet; supported: {', '.join(ROPE_KINDS)}")
-    if params.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor {params['partial_rotary_factor']} is not supported yet")
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
     theta = float(params.get("rope_theta", theta))
     if kind == "default":
-        return Rope(theta)
+        return Rope(theta, partial=partial)
     if kind == "linear":
-        return Rope(theta, kind, float(params["factor"]))
-    return Rope(theta, kind, float(params["factor"]), float(params["low_freq_factor"]),
-                float(params["high_freq_factor"]), int(params["original_max_position_embeddings"]))
+        return Rope(theta, kind, float(params["factor"]), partial=partial)
+    original = int(params.get("original_max_position_embeddings")
+                   or cfg.get("original_max_position_embeddings") or cfg["max_position_embeddings"])
+    if kind == "llama3":
+        return Rope(theta, kind, float(params["factor"]), float(params["low_freq_factor"]),
+                    float(params["high_freq_factor"]), original, partial=partial)
+    from .rope_scaling import scaled_rope  # yarn and longrope: their factor and attention factor
+
+    return scaled_rope(kind, theta, params, original, cfg.get("max_position_embeddings", original), partial)
 
 
 def rope_of(cfg: dict, layer_type: str | None = None) -> Rope:
     """The RoPE of the config (of one layer type where the config has one per type), from
     ``rope_parameters`` (transformers 5) or ``rope_theta`` / ``rope_scaling`` (older files)."""
     where = cfg.get("model_type", "config")
-    if cfg.get("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"{where}: partial_rotary_factor {cfg['partial_rotary_factor']} is not supported yet")
     default = 1_000_000.0 if (where, layer_type) == ("gemma3_text", "full_attention") else 10000.0
     theta = float(cfg.get("rope_theta", default))
     if layer_type == "sliding_attention":
@@ -117,7 +143,7 @@ def rope_of(cfg: dict, layer_type: str | None = None) -> Rope:
         params = params[layer_type]
     elif layer_type != "sliding_attention" and cfg.get("rope_scaling"):
         params = {**params, **cfg["rope_scaling"]}  # older files: Gemma 3 scales its global layers only
-    return _rope(params, theta, where)
+    return _rope(params, theta, where, cfg)
 
 
 def _layer_types(cfg: dict, n: int, default: Callable[[int], bool]) -> list[bool]:
@@ -197,7 +223,7 @@ def traits_from_hf(cfg: dict) -> Traits:
         ropes = tuple(local if s else full for s in slides)
     else:
         rope = rope_of(cfg)
-        ropes = () if rope.kind == "default" else (rope,) * n
+        ropes = () if rope == Rope(rope.theta) else (rope,) * n
     return Traits(
         family=family,
         qkv_bias=family == "qwen2",

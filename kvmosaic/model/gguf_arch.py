@@ -75,7 +75,10 @@ def hf_config(fields: dict, has_output: bool) -> dict:
     }
     if get("rope.freq_base") is not None:
         cfg["rope_theta"] = float(get("rope.freq_base"))
-    if get("rope.scaling.type") not in (None, "none"):
+    if get("rope.scaling.type") not in (None, "none", "linear"):
+        raise ValueError(f"{arch}: RoPE scaling {get('rope.scaling.type')!r} from GGUF is not supported yet "
+                         "(a safetensors folder with it loads)")
+    if get("rope.scaling.type") == "linear":
         cfg["rope_scaling"] = {"rope_type": get("rope.scaling.type"), "factor": float(get("rope.scaling.factor", 1.0))}
     if arch in GEMMA_27B_LAYERS:
         big = cfg["num_hidden_layers"] == GEMMA_27B_LAYERS[arch]
@@ -90,7 +93,8 @@ def hf_config(fields: dict, has_output: bool) -> dict:
             cfg["sliding_window_pattern"] = int(pattern)
     rotary = get("rope.dimension_count")
     if rotary is not None and int(rotary) != head_dim:
-        cfg["partial_rotary_factor"] = int(rotary) / head_dim  # refused by families.traits_from_hf
+        raise ValueError(f"{arch}: partial rotary ({rotary} of {head_dim} dimensions) from GGUF is not supported "
+                         "yet (a safetensors folder with partial_rotary_factor loads)")
     if get("attention.sliding_window"):
         cfg["sliding_window"] = int(get("attention.sliding_window"))
     return cfg

@@ -26,7 +26,7 @@ from .config import ModelConfig
 from .families import Rope
 from .rope_scaling import inv_freq as rope_inv_freq
 from .softcap import softcap_paged_attention
-from .window import layer_view
+from .window import GroupedMetadata, layer_view
 
 ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": partial(F.gelu, approximate="tanh")}
 
@@ -54,14 +54,20 @@ class RotaryEmbedding(nn.Module):
     """cos/sin tables in float32 for every position up to ``max_positions``. The sin table is
     stored with the first half negated, so that :func:`apply_rope` rotates with one ``roll``.
     Past ``MAX_TABLE`` positions (128k-context models: a table would take hundreds of MB) the
-    step's rows are computed from the frequencies instead, by the same float32 products."""
+    step's rows are computed from the frequencies instead, by the same float32 products.
+    Tables span the rotating dimensions only (``rope_scaling.rotary_dim``: all but for partial
+    rotary) and carry yarn's and longrope's ``attention_factor`` (transformers multiplies cos and
+    sin by it)."""
 
     MAX_TABLE = 32768
 
     def __init__(self, head_dim: int, theta: float | Rope, max_positions: int) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(theta if isinstance(theta, Rope) else Rope(float(theta)), head_dim)
-        sign = torch.cat((-torch.ones(head_dim // 2), torch.ones(head_dim // 2)))
+        rope = theta if isinstance(theta, Rope) else Rope(float(theta))
+        inv_freq = rope_inv_freq(rope, head_dim, max_positions)
+        half = inv_freq.numel()
+        self.attention_factor = rope.attention_factor
+        sign = torch.cat((-torch.ones(half), torch.ones(half)))
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.register_buffer("sign", sign, persistent=False)
         self.tabled = max_positions <= self.MAX_TABLE
@@ -71,6 +77,8 @@ class RotaryEmbedding(nn.Module):
 
     def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         emb = (positions.to(torch.float32)[:, None] * self.inv_freq[None, :]).repeat(1, 2)
+        if self.attention_factor != 1.0:
+            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor * self.sign
         return emb.cos(), emb.sin() * self.sign
 
     def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,7 +104,12 @@ class RopeAt:
         return RopeAt(self.cos[index], self.signed_sin[index])
 
     def apply_(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, heads, D]``; in place where the kernel runs (heads contiguous)."""
+        """Rotate ``x`` ``[T, heads, D]``; in place where the kernel runs (heads contiguous).
+        With partial rotary (tables narrower than D) the first dimensions rotate, the rest pass."""
+        rd = self.cos.shape[-1]
+        if rd != x.shape[-1]:
+            rot = apply_rope(x[..., :rd], self.cos.to(x.dtype)[:, None, :], self.signed_sin.to(x.dtype)[:, None, :])
+            return torch.cat((rot, x[..., rd:]), dim=-1)
         if kernels.elementwise_available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
             return kernels.rope_(x, self.cos, self.signed_sin)
         return apply_rope(x, self.cos.to(x.dtype)[:, None, :], self.signed_sin.to(x.dtype)[:, None, :])
@@ -223,10 +236,11 @@ class LlamaForCausalLM(nn.Module):
         full = next((layer for layer in self.layers if layer.window is None), self.layers[0])
         return self.rotaries[full.rope_index]
 
-    def reset_rotary(self, device: torch.device | str) -> None:
-        """Recompute the RoPE tables (buffers not in the weights) on ``device``, in float32."""
+    def reset_rotary(self, device: torch.device | str, max_positions: int | None = None) -> None:
+        """Recompute the RoPE tables (buffers not in the weights) on ``device``, in float32, for
+        ``max_positions`` (default: the model's; a shorter context picks longrope's short set)."""
         for rotary, rope in zip(self.rotaries, self.ropes):
-            rotary.__init__(self.config.head_dim, rope, self.config.max_position_embeddings)
+            rotary.__init__(self.config.head_dim, rope, max_positions or self.config.max_position_embeddings)
             rotary.to(device)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -269,21 +283,24 @@ class LlamaForCausalLM(nn.Module):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         kv: PagedKV,
-        meta: AttentionMetadata,
+        meta: AttentionMetadata | GroupedMetadata,
         logits_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Run the packed batch; return logits only at ``logits_index`` (all tokens if None),
         which skips the vocabulary projection for every prompt token but the last."""
         x = self.embed(input_ids)
         ropes = [RopeAt.at(rotary, positions) for rotary in self.rotaries]
-        views: dict[int | None, AttentionMetadata] = {}  # per window, built once per step
+        views: dict[tuple, AttentionMetadata] = {}  # per (group, window), built once per step
+        bands: dict = {}  # band masks, shared by the groups (positions only)
         residual = None
+        grouped = isinstance(meta, GroupedMetadata)
         for layer in self.layers:
-            m = meta
+            m = meta.for_layer(layer.layer_idx) if grouped else meta
             if layer.window is not None or layer.softcap is not None:
-                if layer.window not in views:
-                    views[layer.window] = layer_view(meta, layer.window)
-                m = views[layer.window]
+                key = (id(m), layer.window)
+                if key not in views:
+                    views[key] = layer_view(m, layer.window, bands)
+                m = views[key]
             x, residual = layer(x, residual, ropes[layer.rope_index], kv, m)
         if residual is not None:
             x = x + residual

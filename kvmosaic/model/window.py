@@ -19,30 +19,53 @@ always are; segment reuse, whose spans are not, is refused for windowed models).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from .attention import AttentionMetadata, DecodeBatch, PrefillSpan
 
 
-def layer_view(meta: AttentionMetadata, window: int | None) -> AttentionMetadata:
-    """``meta`` for a layer of window ``window`` (None: full attention) without cascade groups."""
+@dataclass
+class GroupedMetadata:
+    """A step's metadata under a hybrid KV layout (``cache/kv_groups.py``): one
+    :class:`AttentionMetadata` per layer group, built from that group's block tables, and
+    the group of each layer. A window group's tables name page 0 for blocks given back; no
+    query of a windowed layer reaches them (:func:`layer_view` keeps the window only)."""
+
+    groups: list[AttentionMetadata]
+    group_of: tuple[int, ...]
+
+    def for_layer(self, layer: int) -> AttentionMetadata:
+        return self.groups[self.group_of[layer]]
+
+
+def layer_view(meta: AttentionMetadata, window: int | None, bands: dict | None = None) -> AttentionMetadata:
+    """``meta`` for a layer of window ``window`` (None: full attention) without cascade groups.
+    ``bands``: a step's cache of band masks, which depend on positions only, so the layer groups
+    of a hybrid KV layout (one metadata each) build each once."""
     if window is None and (meta.decode is None or not meta.decode.shared):
         return meta
-    prefills = [_window_span(s, window) for s in meta.prefills]
+    prefills = [_window_span(s, window, bands) for s in meta.prefills]
     decode = None if meta.decode is None else _window_decode(meta.decode, window)
     return AttentionMetadata(meta.slot_mapping, prefills, decode)
 
 
-def _window_span(span: PrefillSpan, window: int | None) -> PrefillSpan:
+def _window_span(span: PrefillSpan, window: int | None, bands: dict | None = None) -> PrefillSpan:
     n = span.ctx_slots.numel()
     if window is None or n <= window:  # the last query sees back to position 0
         return span
     past = n - (span.end - span.start)
     first = max(0, past - window + 1)  # the first key any of the span's queries sees
     dev = span.ctx_slots.device
-    q_pos = torch.arange(past, n, device=dev)[:, None]
-    k_pos = torch.arange(first, n, device=dev)[None, :]
-    mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    key = (past, n, window, dev)
+    mask = bands.get(key) if bands is not None else None
+    if mask is None:
+        q_pos = torch.arange(past, n, device=dev)[:, None]
+        k_pos = torch.arange(first, n, device=dev)[None, :]
+        mask = (k_pos <= q_pos) & (k_pos > q_pos - window)
+        if bands is not None:
+            bands[key] = mask
     return PrefillSpan(span.start, span.end, span.ctx_slots[first:], mask)
 
 

@@ -98,9 +98,11 @@ def to_wire(event: cache_events.KVCacheEvent, include_token_ids: bool = True) ->
         lora = event.lora_id
         return BlockStored(list(event.block_hashes), event.parent_block_hash, token_ids, event.block_size,
                            lora if isinstance(lora, int) else None, event.medium,
-                           lora_name=lora if isinstance(lora, str) else None)
+                           lora_name=lora if isinstance(lora, str) else None, group_idx=event.group_idx,
+                           kv_cache_spec_kind=event.kv_cache_spec_kind,
+                           kv_cache_spec_sliding_window=event.kv_cache_spec_sliding_window)
     if isinstance(event, cache_events.BlockRemoved):
-        return BlockRemoved(list(event.block_hashes), event.medium)
+        return BlockRemoved(list(event.block_hashes), event.medium, group_idx=event.group_idx)
     if isinstance(event, cache_events.AllBlocksCleared):
         return AllBlocksCleared()
     raise TypeError(f"not a cache event: {event!r}")
