@@ -110,7 +110,7 @@ def test_every_missed_token_has_one_reason_on_a_mixed_workload(backend):
     rng = random.Random(1)
     rig = Rig(backend, num_blocks=48)  # small: evictions happen
     systems = [toks(rng, rng.randint(20, 200)) for _ in range(5)]
-    for wave in range(30):
+    for _wave in range(30):
         prompts = []
         for _ in range(rng.randint(1, 4)):
             kind = rng.random()

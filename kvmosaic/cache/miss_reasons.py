@@ -22,7 +22,8 @@ Invariant (tested on mixed workloads, both backends): the counts of each view su
 ``L - served`` exactly. The *tenant* view never consults another namespace: it has no
 ``namespace`` reason (those tokens read as the break's ``diverged``/``cold``), and where a hash chain's
 break follows a shared-public block, whose children may be other tenants' blocks,
-divergence is not reported (the radix tree keeps one root per namespace, so it never mixes). So what a tenant sees depends only on its own namespace's history.
+divergence is not reported (the radix tree keeps one root per namespace, so it never
+mixes). So what a tenant sees depends only on its own namespace's history.
 """
 
 from __future__ import annotations
