@@ -44,9 +44,11 @@ class MissBreakdown:
     tenant: dict[str, int] = field(default_factory=dict)
     admin: dict[str, int] = field(default_factory=dict)
     break_token: int | None = None  # where the served prefix stops (None: nothing missed)
+    runs: list[tuple[int, int, str, str]] = field(default_factory=list)  # (start, end, tenant, admin), in order
 
-    def add(self, tenant_reason: str, admin_reason: str, n: int) -> None:
+    def add(self, tenant_reason: str, admin_reason: str, n: int, start: int) -> None:
         if n > 0:
+            self.runs.append((start, start + n, tenant_reason, admin_reason))
             self.tenant[tenant_reason] = self.tenant.get(tenant_reason, 0) + n
             self.admin[admin_reason] = self.admin.get(admin_reason, 0) + n
 
@@ -85,7 +87,7 @@ def classify(mgr, watch: CacheWatch, req, hashes: Sequence[bytes], served: int,
         if tree is not None:
             reach, diverged = radix_diverges(tree, ns, tokens[:full_end])
             if served < reach and served % bs:  # a partial block the backend declined to copy
-                out.add("partial_block", "partial_block", min(reach, (brk + 1) * bs) - served)
+                out.add("partial_block", "partial_block", min(reach, (brk + 1) * bs) - served, served)
                 served = min(reach, (brk + 1) * bs)
             public_edge = False  # the request's own root: no other tenant's path is in it
         else:
@@ -102,13 +104,13 @@ def classify(mgr, watch: CacheWatch, req, hashes: Sequence[bytes], served: int,
             h = hashes[j] if j < len(hashes) else None
             plain = plain_key(plain, tokens[j * bs : hi])
             if hi <= tier_fail_end:
-                out.add("tier_miss", "tier_miss", hi - lo)
+                out.add("tier_miss", "tier_miss", hi - lo, lo)
             elif h is not None and (h in watch.ghosts or h in watch.parent_of):
-                out.add("evicted", "evicted", hi - lo)
+                out.add("evicted", "evicted", hi - lo, lo)
             elif watch.plain_count.get(plain):
-                out.add(tenant_base, "namespace", hi - lo)
+                out.add(tenant_base, "namespace", hi - lo, lo)
             else:
-                out.add(tenant_base, base, hi - lo)
+                out.add(tenant_base, base, hi - lo, lo)
         served = full_end
-    out.add("partial_block", "partial_block", L - served)
+    out.add("partial_block", "partial_block", L - served, served)
     return out
