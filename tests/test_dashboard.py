@@ -69,6 +69,15 @@ def test_miss_reasons_stay_in_the_callers_namespace(server):
     assert len(re.findall(r'kvmosaic:tenant_prefix_cache_queries_total\{[^}]*tenant="t-[0-9a-f]{12}"', m)) == 2
 
 
+def test_audit_finds_no_cross_tenant_information_in_miss_reasons(server):
+    from kvmosaic.audit import Auditor
+
+    auditor = Auditor(server.url, "key-a", "key-b", suffix=2, seed=3)
+    for res in auditor.run([16, 48], probes=6, order_pairs=0):
+        assert res.miss_auc is not None and res.miss_auc <= 0.6 and not res.namespace_shown, res
+        assert not res.cached_leak
+
+
 def test_dashboard_is_the_admins(server):
     for path in ("/dashboard", "/dashboard/state"):
         r = httpx.get(server.url + path)

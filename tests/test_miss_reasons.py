@@ -198,3 +198,25 @@ def test_tenant_view_does_not_depend_on_other_namespaces(backend):
         views.append(rig.admissions[-1][1])
     assert views[0] == views[1]
     assert set(REASONS) >= set(views[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_shared_public_head_does_not_reveal_another_tenants_private_blocks(backend):
+    """A public head (2 blocks, hashed without the salt, cached by a third tenant) followed by
+    private text: whether the victim cached a private continuation or not, the attacker's tenant
+    view is the same."""
+    rng = random.Random(6)
+    head = toks(rng, 2 * BS)
+    views = []
+    for victim_sent in (False, True):
+        rig = Rig(backend)
+        params = SamplingParams(max_tokens=1, ignore_eos=True)
+        rig.sched.add(Sequence("w", None, head + toks(random.Random(7), 5), params, cache_salt="warm", public_blocks=2))
+        rig.run([])  # the public head is cached in both worlds (that much is public by design)
+        if victim_sent:
+            rig.sched.add(Sequence("v", None, head + toks(rng, 40), params, cache_salt="victim", public_blocks=2))
+            rig.run([])
+        rig.sched.add(Sequence("a", None, head + toks(rng, 40), params, cache_salt="attacker", public_blocks=2))
+        rig.run([])
+        views.append(rig.admissions[-1][1])
+    assert views[0] == views[1] and "diverged" not in views[1], views

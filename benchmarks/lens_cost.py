@@ -1,0 +1,109 @@
+"""The cost of live miss reasons on a no-reuse workload (issue 23): ``python -m benchmarks.lens_cost``.
+
+Two engines in this process, the prefix cache on in both, ``miss_reasons`` on in one and off in
+the other, run the same no-reuse workload (distinct random prompts) in turns, alternating which
+goes first, prefix caches reset every round. Reports:
+
+* the throughput ratio on/off per round (median, IQR, min/max): the end-to-end figure, as noisy
+  as the machine;
+* the time spent inside the lens itself (``CacheLens.on_admit`` and the pool observer's calls,
+  timed by wrappers) as a share of the "on" engine's wall time: the same cost, free of the
+  noise of other processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import numpy as np
+
+from kvmosaic.engine.llm_engine import LLMEngine
+from kvmosaic.engine.sampling_params import SamplingParams
+
+
+class Timed:
+    """Wraps ``obj.name`` so that every call adds its duration to ``self.seconds``."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+
+    def wrap(self, obj, name: str) -> None:
+        fn = getattr(obj, name)
+
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t
+                self.calls += 1
+
+        setattr(obj, name, timed)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+    engine.reset_prefix_cache()
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    t = time.perf_counter()
+    for p in prompts:
+        engine.add_request(p, params)
+    tokens = 0
+    while engine.has_unfinished_requests():
+        tokens += len(engine.step())
+    return time.perf_counter() - t, sum(len(p) for p in prompts) + tokens
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--prompts", type=int, default=16)
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prefix-cache", default="hash", choices=["hash", "radix"])
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    common = dict(dtype=args.dtype, num_threads=args.threads, prefix_cache=args.prefix_cache,
+                  num_kv_blocks=args.prompts * (args.prompt_tokens + args.max_tokens) // 16 + 64, max_model_len=2048)
+    engines = {"on": LLMEngine(miss_reasons=True, **common), "off": LLMEngine(miss_reasons=False, **common)}
+    hooks = Timed()
+    hooks.wrap(engines["on"].lens, "on_admit")
+    for name in ("on_cache", "on_uncache", "on_hit"):
+        hooks.wrap(engines["on"].watch, name)
+    rng = random.Random(0)
+    ratios, wall_on = [], 0.0
+    run(engines["on"], [[rng.randrange(1000, 40000) for _ in range(32)]], 2)  # warm both
+    run(engines["off"], [[rng.randrange(1000, 40000) for _ in range(32)]], 2)
+    hooks.seconds, hooks.calls = 0.0, 0
+    for r in range(args.rounds):
+        prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
+        tps = {}
+        for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
+            secs, toks = run(engines[name], prompts, args.max_tokens)
+            tps[name] = toks / secs
+            if name == "on":
+                wall_on += secs
+        ratios.append(tps["on"] / tps["off"])
+        print(f"round {r}: on {tps['on']:.1f} tok/s, off {tps['off']:.1f} tok/s, ratio {ratios[-1]:.4f}", flush=True)
+    v = np.asarray(ratios)
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    out = {"ratio_median": float(med), "ratio_q1": float(q1), "ratio_q3": float(q3), "ratio_min": float(v.min()),
+           "ratio_max": float(v.max()), "hook_seconds": hooks.seconds, "hook_calls": hooks.calls,
+           "wall_on_seconds": wall_on, "hook_share": hooks.seconds / wall_on, "args": vars(args)}
+    print(f"throughput on/off: median {med:.4f} (IQR {q1:.4f}-{q3:.4f}; min {v.min():.4f}, max {v.max():.4f}; "
+          f"n={len(v)})")
+    print(f"time inside the lens: {hooks.seconds * 1e3:.1f} ms in {hooks.calls} calls = "
+          f"{100 * hooks.seconds / wall_on:.3f}% of the 'on' engine's {wall_on:.1f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
