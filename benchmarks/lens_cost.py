@@ -9,6 +9,8 @@ first: an artifact of the two engines, which no lens can cause). Reports:
 
 * the throughput ratio on/off per round (median, IQR, min/max): the end-to-end figure, as noisy
   as the machine;
+* the same ratio in CPU time of the engine's thread (``time.thread_time``; one torch thread, so
+  the forward passes run on it): what the work costs, less what other processes take;
 * the time spent inside the lens itself (``CacheLens.on_admit`` and the pool observer's calls,
   timed by wrappers) as a share of the "on" engine's wall time: the same cost, free of the
   noise of other processes.
@@ -48,16 +50,24 @@ class Timed:
         setattr(obj, name, timed)
 
 
-def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+def run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds of this thread, tokens (prompt + generated)."""
     engine.reset_prefix_cache()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.thread_time()
     for p in prompts:
         engine.add_request(p, params)
     tokens = 0
     while engine.has_unfinished_requests():
         tokens += len(engine.step())
-    return time.perf_counter() - t, sum(len(p) for p in prompts) + tokens
+    return time.perf_counter() - t, time.thread_time() - c, sum(len(p) for p in prompts) + tokens
+
+
+def spread(values: list[float]) -> dict:
+    v = np.asarray(values)
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    return {"median": float(med), "q1": float(q1), "q3": float(q3), "min": float(v.min()), "max": float(v.max()),
+            "n": len(v)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -85,29 +95,30 @@ def main(argv: list[str] | None = None) -> int:
         engine.pool.observer = watch if on else None
 
     rng = random.Random(0)
-    ratios, wall_on = [], 0.0
+    ratios, cpu_ratios, wall_on = [], [], 0.0
     for on in (True, False):  # warm both arms
         attach(on)
         run(engine, [[rng.randrange(1000, 40000) for _ in range(64)] for _ in range(4)], 4)
     hooks.seconds, hooks.calls = 0.0, 0
     for r in range(args.rounds):
         prompts = [[rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)] for _ in range(args.prompts)]
-        tps = {}
+        tps, cps = {}, {}
         for name in (("on", "off") if r % 2 == 0 else ("off", "on")):
             attach(name == "on")
-            secs, toks = run(engine, prompts, args.max_tokens)
-            tps[name] = toks / secs
+            secs, cpu, toks = run(engine, prompts, args.max_tokens)
+            tps[name], cps[name] = toks / secs, toks / cpu
             if name == "on":
                 wall_on += secs
         ratios.append(tps["on"] / tps["off"])
-        print(f"round {r}: on {tps['on']:.1f} tok/s, off {tps['off']:.1f} tok/s, ratio {ratios[-1]:.4f}", flush=True)
-    v = np.asarray(ratios)
-    q1, med, q3 = np.percentile(v, [25, 50, 75])
-    out = {"ratio_median": float(med), "ratio_q1": float(q1), "ratio_q3": float(q3), "ratio_min": float(v.min()),
-           "ratio_max": float(v.max()), "hook_seconds": hooks.seconds, "hook_calls": hooks.calls,
+        cpu_ratios.append(cps["on"] / cps["off"])
+        print(f"round {r}: on {tps['on']:.1f} tok/s, off {tps['off']:.1f} tok/s, ratio {ratios[-1]:.4f}; "
+              f"per CPU second on/off {cpu_ratios[-1]:.4f}", flush=True)
+    out = {"wall": spread(ratios), "cpu": spread(cpu_ratios), "hook_seconds": hooks.seconds, "hook_calls": hooks.calls,
            "wall_on_seconds": wall_on, "hook_share": hooks.seconds / wall_on, "args": vars(args)}
-    print(f"throughput on/off: median {med:.4f} (IQR {q1:.4f}-{q3:.4f}; min {v.min():.4f}, max {v.max():.4f}; "
-          f"n={len(v)})")
+    for key, what in (("wall", "throughput on/off"), ("cpu", "tokens per CPU second on/off")):
+        s = out[key]
+        print(f"{what}: median {s['median']:.4f} (IQR {s['q1']:.4f}-{s['q3']:.4f}; min {s['min']:.4f}, "
+              f"max {s['max']:.4f}; n={s['n']})")
     print(f"time inside the lens: {hooks.seconds * 1e3:.1f} ms in {hooks.calls} calls = "
           f"{100 * hooks.seconds / wall_on:.3f}% of the 'on' engine's {wall_on:.1f} s")
     if args.json:
