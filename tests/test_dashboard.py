@@ -74,7 +74,7 @@ def test_audit_finds_no_cross_tenant_information_in_miss_reasons(server):
     from kvmosaic.audit import Auditor
 
     auditor = Auditor(server.url, "key-a", "key-b", suffix=2, seed=3)
-    for res in auditor.run([16, 48], probes=5, order_pairs=0):
+    for res in auditor.run([32], probes=4, order_pairs=0):
         assert res.miss_auc is not None and res.miss_auc <= 0.6 and not res.namespace_shown, res
         assert not res.cached_leak
 
