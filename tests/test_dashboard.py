@@ -93,43 +93,6 @@ def test_dashboard_is_the_admins(server):
     assert len(page.content) <= 300_000 and "http://" not in page.text and "https://" not in page.text
 
 
-def _static(state: dict) -> dict:
-    """What a read must not change (ages move with the clock)."""
-    return {"blocks": state["blocks"], "counters": state["counters"], "kv": state["kv"], "tenants": state["tenants"],
-            "prefixes": [{k: v for k, v in n.items() if k != "last_use_s"} for n in state["prefixes"]]}
-
-
-def test_live_explain_reads_only(server):
-    prompt = "The lighthouse keeper counted the waves every night and wrote them down. " * 4
-    complete(server, "key-a", prompt)
-    before = httpx.get(server.url + "/dashboard/state", headers=ADMIN).json()
-    metrics_before = httpx.get(server.url + "/metrics", headers=ADMIN).text
-    r = httpx.post(server.url + "/dashboard/explain", headers=ADMIN,
-                   json={"prompt": prompt + " And then?", "api_key": "key-a"})
-    assert r.status_code == 200, r.text
-    got = r.json()
-    assert got["pool_tokens"] >= 48 and got["blocks"][0]["where"] == "pool"
-    assert got["blocks"][-1]["where"] == "computed" and got["stop"]["reason"] in ("cold", "partial_block")
-    other = httpx.post(server.url + "/dashboard/explain", headers=ADMIN, json={"prompt": prompt, "api_key": "key-b"}).json()
-    assert other["pool_tokens"] == 0 and "namespace" in other["missed"]  # the admin sees why
-    after = httpx.get(server.url + "/dashboard/state", headers=ADMIN).json()
-    assert _static(after) == _static(before)
-    families = ("kvmosaic:prefix", "kvmosaic:kv_cache", "kvmosaic:tenant", "kvmosaic:kv_tier")
-    keep = [ln for ln in metrics_before.splitlines() if ln.startswith(families)]
-    now = httpx.get(server.url + "/metrics", headers=ADMIN).text.splitlines()
-    assert [ln for ln in now if ln.startswith(families)] == keep
-    # the pool forgets, the disk tier still holds the blocks: the probe says so, and counts no lookup
-    assert httpx.post(server.url + "/reset_prefix_cache", headers=ADMIN).status_code == 200
-    tiers_before = [ln for ln in httpx.get(server.url + "/metrics", headers=ADMIN).text.splitlines()
-                    if ln.startswith("kvmosaic:kv_tier")]
-    got = httpx.post(server.url + "/dashboard/explain", headers=ADMIN, json={"prompt": prompt, "api_key": "key-a"}).json()
-    assert got["pool_tokens"] == 0 and got["tier_tokens"] >= 48 and got["blocks"][0]["where"] not in ("pool", "computed")
-    assert [ln for ln in httpx.get(server.url + "/metrics", headers=ADMIN).text.splitlines()
-            if ln.startswith("kvmosaic:kv_tier")] == tiers_before
-    usage = complete(server, "key-a", prompt)["prompt_tokens_details"]  # now loaded from the tier
-    assert usage["cached_tokens"] >= 48 and set(usage["miss_reasons"]) <= {"partial_block"}
-
-
 def _load(server, stop: threading.Event, sent: list) -> None:
     i = 0
     while not stop.is_set():
@@ -212,6 +175,42 @@ def test_the_page_in_a_real_browser(server):
         for t in loaders:
             t.join()
 
+
+def _static(state: dict) -> dict:
+    """What a read must not change (ages move with the clock)."""
+    return {"blocks": state["blocks"], "counters": state["counters"], "kv": state["kv"], "tenants": state["tenants"],
+            "prefixes": [{k: v for k, v in n.items() if k != "last_use_s"} for n in state["prefixes"]]}
+
+
+def test_live_explain_reads_only(server):
+    prompt = "The lighthouse keeper counted the waves every night and wrote them down. " * 4
+    complete(server, "key-a", prompt)
+    before = httpx.get(server.url + "/dashboard/state", headers=ADMIN).json()
+    metrics_before = httpx.get(server.url + "/metrics", headers=ADMIN).text
+    r = httpx.post(server.url + "/dashboard/explain", headers=ADMIN,
+                   json={"prompt": prompt + " And then?", "api_key": "key-a"})
+    assert r.status_code == 200, r.text
+    got = r.json()
+    assert got["pool_tokens"] >= 48 and got["blocks"][0]["where"] == "pool"
+    assert got["blocks"][-1]["where"] == "computed" and got["stop"]["reason"] in ("cold", "partial_block")
+    other = httpx.post(server.url + "/dashboard/explain", headers=ADMIN, json={"prompt": prompt, "api_key": "key-b"}).json()
+    assert other["pool_tokens"] == 0 and "namespace" in other["missed"]  # the admin sees why
+    after = httpx.get(server.url + "/dashboard/state", headers=ADMIN).json()
+    assert _static(after) == _static(before)
+    families = ("kvmosaic:prefix", "kvmosaic:kv_cache", "kvmosaic:tenant", "kvmosaic:kv_tier")
+    keep = [ln for ln in metrics_before.splitlines() if ln.startswith(families)]
+    now = httpx.get(server.url + "/metrics", headers=ADMIN).text.splitlines()
+    assert [ln for ln in now if ln.startswith(families)] == keep
+    # the pool forgets, the disk tier still holds the blocks: the probe says so, and counts no lookup
+    assert httpx.post(server.url + "/reset_prefix_cache", headers=ADMIN).status_code == 200
+    tiers_before = [ln for ln in httpx.get(server.url + "/metrics", headers=ADMIN).text.splitlines()
+                    if ln.startswith("kvmosaic:kv_tier")]
+    got = httpx.post(server.url + "/dashboard/explain", headers=ADMIN, json={"prompt": prompt, "api_key": "key-a"}).json()
+    assert got["pool_tokens"] == 0 and got["tier_tokens"] >= 48 and got["blocks"][0]["where"] not in ("pool", "computed")
+    assert [ln for ln in httpx.get(server.url + "/metrics", headers=ADMIN).text.splitlines()
+            if ln.startswith("kvmosaic:kv_tier")] == tiers_before
+    usage = complete(server, "key-a", prompt)["prompt_tokens_details"]  # now loaded from the tier
+    assert usage["cached_tokens"] >= 48 and set(usage["miss_reasons"]) <= {"partial_block"}
 
 @pytest.mark.slow
 def test_the_explorer_through_replicas():
