@@ -54,3 +54,26 @@ def test_top_tenants_bounds_the_labels():
     assert len(top) == 11 and list(top)[:3] == ["t-29", "t-28", "t-27"]
     assert sum(f["queries"] for f in top.values()) == sum(f["queries"] for f in tenants.values())
     assert top["other"]["blocks_held"] == 20 + 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cached_prefixes_carry_token_text_only_when_asked(backend):
+    from types import SimpleNamespace
+
+    from kvmosaic.server.dashboard_state import block_map, hash_prefixes, radix_prefixes
+
+    rng = random.Random(11)
+    rig = Rig(backend)
+    rig.watch.keep_tokens = True
+    a = toks(rng, 70)
+    rig.run([a], tenant="t-1")
+    rig.run([a[:40] + toks(rng, 40)], tenant="t-1")
+    engine = SimpleNamespace(pool=rig.mgr.pool, watch=rig.watch, cache=rig.mgr, scheduler=rig.sched)
+    build = radix_prefixes if backend == "radix" else hash_prefixes
+    hidden, shown = build(engine, False, 100), build(engine, True, 100)
+    assert all("tokens_ids" not in n for n in hidden)
+    assert shown[0]["tokens_ids"] == a[: len(shown[0]["tokens_ids"])] and all(n["tenant"] == "t-1" for n in shown)
+    roots = [n for n in hidden if n["parent"] is None]
+    assert len(roots) == 1 and len(hidden) == 3  # a shared head, then the two continuations
+    assert sum(n["blocks"] for n in hidden) >= 4
+    assert set(block_map(engine)) <= {"f", "c"}  # nothing running: free or cached
