@@ -13,10 +13,15 @@ From the two samples it reports:
 * **cached_tokens**: whether ``usage.prompt_tokens_details.cached_tokens`` is larger on true
   probes than on wrong ones (a direct oracle);
 * **order**: true and wrong probes sent together; how often the true one answers first
-  (longest-prefix-first scheduling reorders by cached length): 0.5 is no leak.
+  (longest-prefix-first scheduling reorders by cached length): 0.5 is no leak;
+* **miss reasons** (issue 23): every probe asks for ``usage.prompt_tokens_details.miss_reasons``;
+  for each reason, the AUC of its token count between true and wrong probes, taken two-sided
+  (the attacker may read either direction): the largest is reported; a ``namespace`` reason
+  shown to a tenant at all is a leak. None when the server does not return the field.
 
 A length *leaks* when AUC > ``--auc-threshold`` (0.6), the KS p-value < 0.01, cached tokens
-differ, or the order share exceeds 0.75. The command exits 1 when any length leaks. Prompts are
+differ, the miss-reason AUC exceeds the threshold or ``namespace`` is shown, or the order share
+exceeds 0.75. The command exits 1 when any length leaks. Prompts are
 token ids (``/v1/completions``), so lengths are exact whatever the tokenizer.
 """
 
@@ -97,6 +102,20 @@ def ks_2samp(a: list[float], b: list[float]) -> tuple[float, float]:
 class Probe:
     ttft: float
     cached: int | None
+    misses: dict | None = None  # usage.prompt_tokens_details.miss_reasons
+
+
+def miss_reason_auc(true: list[Probe], wrong: list[Probe]) -> tuple[float | None, bool]:
+    """The most telling reason's two-sided AUC between true and wrong probes (None: the server
+    returned no miss reasons), and whether any probe was shown the ``namespace`` reason."""
+    if not any(p.misses is not None for p in true + wrong):
+        return None, False
+    reasons = {r for p in true + wrong for r in (p.misses or {})}
+    best = 0.5
+    for r in reasons:
+        auc = roc_auc([(p.misses or {}).get(r, 0) for p in true], [(p.misses or {}).get(r, 0) for p in wrong])
+        best = max(best, auc, 1 - auc)
+    return best, "namespace" in reasons
 
 
 @dataclass
@@ -112,9 +131,12 @@ class LengthResult:
     order_share: float | None
     ttft_true_ms: list[float] = field(default_factory=list)
     ttft_wrong_ms: list[float] = field(default_factory=list)
+    miss_auc: float | None = None
+    namespace_shown: bool = False
 
     def leaks(self, auc_threshold: float = 0.6) -> bool:
         return (self.auc > auc_threshold or self.ks_p < 0.01 or self.cached_leak
+                or (self.miss_auc is not None and self.miss_auc > auc_threshold) or self.namespace_shown
                 or (self.order_share is not None and self.order_share > 0.75))
 
 
@@ -140,16 +162,18 @@ class Auditor:
     def send(self, client, prompt: list[int]) -> Probe:
         prompt = self.prefix + prompt
         t0 = time.perf_counter()
-        ttft, cached = None, None
+        ttft, cached, misses = None, None, None
         stream = client.completions.create(model=self.model, prompt=prompt, max_tokens=1, temperature=0.0,
-                                           stream=True, stream_options={"include_usage": True})
+                                           stream=True, stream_options={"include_usage": True},
+                                           extra_body={"return_miss_reasons": True})
         for chunk in stream:
             if ttft is None:
                 ttft = time.perf_counter() - t0
             if chunk.usage is not None:
                 details = chunk.usage.prompt_tokens_details
                 cached = getattr(details, "cached_tokens", None) if details is not None else None
-        return Probe(ttft if ttft is not None else time.perf_counter() - t0, cached)
+                misses = getattr(details, "miss_reasons", None) if details is not None else None
+        return Probe(ttft if ttft is not None else time.perf_counter() - t0, cached, misses)
 
     def probe_length(self, length: int, probes: int, order_pairs: int) -> LengthResult:
         true, wrong = [], []
@@ -168,9 +192,10 @@ class Auditor:
         ct = [p.cached or 0 for p in true]
         cw = [p.cached or 0 for p in wrong]
         order = self.order_test(length, order_pairs) if order_pairs else None
+        miss_auc, namespace_shown = miss_reason_auc(true, wrong)
         return LengthResult(length, probes, auc, d, pval, float(np.mean(ct)), float(np.mean(cw)),
                             float(np.mean(ct)) > float(np.mean(cw)), order,
-                            [p.ttft * 1e3 for p in true], [p.ttft * 1e3 for p in wrong])
+                            [p.ttft * 1e3 for p in true], [p.ttft * 1e3 for p in wrong], miss_auc, namespace_shown)
 
     def order_test(self, length: int, pairs: int) -> float:
         """Send the true and a wrong probe together; the share of pairs the true one wins."""
@@ -201,12 +226,13 @@ class Auditor:
 
 # ---- report -------------------------------------------------------------------------------
 def table(results: list[LengthResult], auc_threshold: float = 0.6) -> str:
-    lines = ["| secret tokens | probes/arm | TTFT AUC | KS D | KS p | cached_tokens true/wrong | order share "
-             "| median TTFT true/wrong (ms) | verdict |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| secret tokens | probes/arm | TTFT AUC | KS D | KS p | cached_tokens true/wrong | miss_reasons AUC "
+             "| order share | median TTFT true/wrong (ms) | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         order = "-" if r.order_share is None else f"{r.order_share:.2f}"
+        miss = "-" if r.miss_auc is None else f"{r.miss_auc:.2f}{' (namespace shown: LEAK)' if r.namespace_shown else ''}"
         lines.append(f"| {r.length} | {r.probes} | {r.auc:.2f} | {r.ks_d:.2f} | {r.ks_p:.2g} | "
-                     f"{r.cached_true:.1f} / {r.cached_wrong:.1f}{' (LEAK)' if r.cached_leak else ''} | {order} | "
+                     f"{r.cached_true:.1f} / {r.cached_wrong:.1f}{' (LEAK)' if r.cached_leak else ''} | {miss} | {order} | "
                      f"{np.median(r.ttft_true_ms):.0f} / {np.median(r.ttft_wrong_ms):.0f} | "
                      f"{'LEAKS' if r.leaks(auc_threshold) else 'no leak detected'} |")
     return "\n".join(lines)

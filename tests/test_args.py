@@ -36,6 +36,8 @@ ENGINE_FLAGS = {
     "kv_tier_load_timeout": ["--kv-tier-load-timeout", "0.5"],
     "kv_tier_secret": ["--kv-tier-secret", "s3cret"], "kv_tier_secret_file": ["--kv-tier-secret-file", "{tmp}/secret"],
     "enable_kv_events": [],  # not a flag: the server turns it on (events endpoint, replicas)
+    "miss_reasons": ["--no-miss-reasons"],
+    "keep_block_tokens": [],  # not a flag: the server turns it on (--dashboard-show-text)
 }
 
 
@@ -54,13 +56,13 @@ def argv(shipped_gguf, tmp_path) -> list[str]:
 def test_every_engine_field_is_declared_once_and_is_a_flag():
     assert [f.name for f in fields(EngineConfig)] == [f.name for f in fields(EngineArgs)]
     assert set(ENGINE_FLAGS) == {f.name for f in fields(EngineArgs)}, "a new field needs a row above"
-    assert [f.name for f in fields(EngineArgs) if not f.metadata["cli"]] == ["enable_kv_events"]
+    assert [f.name for f in fields(EngineArgs) if not f.metadata["cli"]] == ["enable_kv_events", "keep_block_tokens"]
 
 
 def test_a_replica_gets_the_config_one_server_gets(argv):
     from kvmosaic.serve.replica import replica_engine_config
 
-    ns = parse([*argv, "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--api-key", "A"])
+    ns = parse([*argv, "--kv-events-endpoint", "tcp://127.0.0.1:5557", "--api-key", "A", "--dashboard-show-text"])
     engine_args, server_args = EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns)
     single = asdict(engine_args.create_engine_config(**server_args.engine_overrides()))  # server/cli.py's run
     # what Ray hands a replica is a pickled copy of the same two objects

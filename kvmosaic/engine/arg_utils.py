@@ -170,6 +170,9 @@ class EngineArgs(CliArgs):
                                               "shared tiers trust every writer)", metavar="SECRET", repr=False)
     kv_tier_secret_file: str | None = option(None, "read --kv-tier-secret from this file at engine start",
                                              metavar="PATH")
+    miss_reasons: bool = option(True, "count why prompt tokens miss the cache, by reason and by tenant "
+                                      "(kvmosaic/cache/lens.py)")
+    keep_block_tokens: bool = option(False, cli=False)  # the server sets it: --dashboard-show-text
 
     def create_engine_config(self, **overrides: Any) -> EngineConfig:
         """The validated config on this machine (``dtype="auto"`` resolved here)."""

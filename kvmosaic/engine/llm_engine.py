@@ -30,7 +30,9 @@ from ..cache.events import EventLog
 from ..cache.hashing import get_hash_fn, make_seed
 from ..cache.hybrid import HybridCacheManager
 from ..cache.kv_groups import KVLayout
+from ..cache.lens import CacheLens
 from ..cache.manager import HashCacheManager, KVCacheManager, TierLookup
+from ..cache.watch import CacheWatch
 from ..kv.connector import KVConnector
 from ..kv.paged import PagedKVCache
 from ..kv.tiered import make_tier_connector
@@ -74,6 +76,8 @@ class EngineStats:
     kv_slots_used: int = 0  # of those, slots holding a computed token
     # Storage tiers: per tier (by name) counters, medium, policy, state, bytes; {} when off.
     kv_tiers: dict = field(default_factory=dict)
+    # Live miss reasons and per-tenant figures (CacheLens.snapshot); {} when off.
+    lens: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -154,8 +158,12 @@ class LLMEngine:
         if self.tiers is not None:
             self._tiers_finalizer = weakref.finalize(self, self.tiers.close)
         medium = "GPU" if self.device.type == "cuda" else self.device.type.upper()
+        # Live miss reasons (issue 23): the watch sees every block enter and leave the index and
+        # passes each call on to the tiers' connector.
+        self.watch = CacheWatch(self.tiers, max(4 * self.kv.num_blocks, 4096), config.keep_block_tokens) \
+            if config.miss_reasons else None
         self.pool = BlockPool(self.kv.num_blocks, config.block_size, self.events, config.verify_tokens, medium=medium,
-                              observer=self.tiers)
+                              observer=self.watch or self.tiers)
         seed = make_seed(self.model_fingerprint, config.dtype, config.block_size, config.hash_algo)
         self.cache = make_cache_manager(config, self.pool, seed, self.tiers, self.kv_layout)
         self.scheduler = Scheduler(
@@ -164,6 +172,8 @@ class LLMEngine:
             self.cache,
             KVConnector(self.tiers, config.block_size) if self.tiers is not None else None,
         )
+        self.lens = CacheLens(self.cache, self.watch) if self.watch is not None else None
+        self.scheduler.lens = self.lens
         self.runner = ModelRunner(self.model, self.kv, cascade=config.cascade_attention)
         self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint,
                                           self.tiers.stack if self.tiers is not None else None)
@@ -374,7 +384,11 @@ class LLMEngine:
 
     # ---- cache control and stats ---------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
-        return self.cache.reset_prefix_cache()
+        cached = list(self.pool.cached) if self.watch is not None else []
+        done = self.cache.reset_prefix_cache()
+        if done and self.watch is not None:
+            self.watch.on_reset(cached)
+        return done
 
     def close(self) -> None:
         """Flush queued tier writes and release the tiers (files, sockets, threads)."""
@@ -403,6 +417,7 @@ class LLMEngine:
             kv_bytes_per_token=self.kv.bytes_per_token,
             num_events_dropped=self.events.num_dropped,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
+            lens=self.lens.snapshot(self.scheduler.running) if self.lens is not None else {},
             **self._slot_usage(),
         )
 

@@ -35,6 +35,8 @@ class RequestOutput:
     # Parallel sampling: the choice index, and the request whose prompt this sample forked from.
     index: int = 0
     parent_request_id: str | None = None
+    # Missed prompt tokens by reason, the caller's namespace only (cache/miss_reasons.py).
+    miss_reasons: dict | None = None
 
     @property
     def num_computed_tokens(self) -> int:
@@ -108,4 +110,5 @@ class OutputProcessor:
             error_reason=error_reason,
             index=seq.index,
             parent_request_id=seq.parent_id,
+            miss_reasons=seq.miss_reasons,
         )

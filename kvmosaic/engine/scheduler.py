@@ -89,6 +89,8 @@ class Scheduler:
         self.fair = FairShare()  # tenants share the step budget and the slots (engine/fair_share.py)
         self._express_last = False  # the last step was newcomers' alone (FairShare.newcomers)
         self.loading: dict[str, Sequence] = {}
+        # Live miss reasons and per-tenant figures (cache/lens.py; None: off), told of each admission.
+        self.lens = None
 
     @property
     def tiers(self):
@@ -298,6 +300,8 @@ class Scheduler:
     def _admit(self, seq: Sequence, match: MatchResult, cached: int | None = None) -> None:
         cached = match.num_tokens if cached is None else cached
         self.kv.record_query(seq, match)
+        if self.lens is not None:
+            self.lens.on_admit(seq, match, cached)
         seq.num_computed_tokens = cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = cached

@@ -62,6 +62,9 @@ class Sequence:
     index: int = 0
     # Structured output: the grammar matcher following this request's tokens (structured.py).
     grammar: object | None = None
+    # Why its prompt tokens missed the cache, by reason (the caller's own namespace only;
+    # cache/lens.py), set at its first admission; None when not counted.
+    miss_reasons: dict | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

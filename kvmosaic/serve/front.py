@@ -14,6 +14,7 @@ from ..server import errors
 from ..server.drain import RETRY_AFTER_S, DrainMiddleware
 from ..server.errors import APIError
 from ..server.limits import BodyReadTimeout, BodySizeLimit, HeaderLimits
+from .dashboard_routes import add_front_dashboard, record_route
 from .metrics_merge import merge_replica_metrics
 
 if TYPE_CHECKING:
@@ -43,7 +44,9 @@ def build_front(ingress: OpenAIIngress) -> FastAPI:
         headers = dict(request.headers)
         extra = await ingress.routing_data(headers, body, chat) if chat is not None else None
         try:
-            return respond(await ingress.ask(request.method, request.url.path, headers, body, extra))
+            answer = await ingress.ask(request.method, request.url.path, headers, body, extra)
+            record_route(app, tenants, request, answer.replica)  # for the cache explorer (issue 23)
+            return respond(answer)
         except ReplicaUnavailable as e:
             raise APIError(503, str(e), code="no_replica", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
@@ -122,4 +125,6 @@ def build_front(ingress: OpenAIIngress) -> FastAPI:
         tenants.require_admin(request.headers.get("authorization"), "/router/state")
         return await ingress.router_state(pools)
 
+    if args.dashboard:
+        add_front_dashboard(app, ingress)
     return app

@@ -18,10 +18,12 @@ from pydantic import BaseModel
 
 from . import errors
 from .async_engine import AsyncEngine
+from .dashboard import add_dashboard_routes
 from .drain import RETRY_AFTER_S, Drain, DrainMiddleware
 from .errors import APIError
 from .limits import BodyReadTimeout, BodySizeLimit, HeaderLimits
 from .metrics import ServerMetrics
+from .metrics_cache import CacheLensCollector
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
 from .tenancy import TenantPolicy, build_public_prefixes, read_public_prefix_file
@@ -45,8 +47,13 @@ def build_server(engine: AsyncEngine, args: ServerArgs, model_name: str | None =
         texts, hashes = read_public_prefix_file(args.public_prefix_file) if args.public_prefix_file else ([], [])
         tenants.public = build_public_prefixes(engine.engine, texts, hashes)
     limits = TenantLimits(args.tenant_max_requests, args.tenant_max_queued_tokens, metrics.tenant_over_limit)
-    return build_app(engine, model_name, metrics, tenants, args.max_body_bytes,
-                     drain=drain or Drain(args.shutdown_timeout), body_timeout=args.body_timeout, limits=limits)
+    # issue 23: miss reasons and per-tenant figures on /metrics; the cache explorer
+    metrics.registry.register(CacheLensCollector(lambda: engine.stats, model_name, args.metrics_top_tenants))
+    app = build_app(engine, model_name, metrics, tenants, args.max_body_bytes,
+                    drain=drain or Drain(args.shutdown_timeout), body_timeout=args.body_timeout, limits=limits)
+    if args.dashboard:
+        add_dashboard_routes(app, engine, tenants, args.dashboard_show_text, args.metrics_top_tenants)
+    return app
 
 
 def request_body(model: type[BaseModel]) -> dict:

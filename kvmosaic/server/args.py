@@ -22,6 +22,7 @@ from .tenancy import TENANCY_MODES
 REPLICAS = "replicas (Ray Serve)"
 TENANCY = "tenancy"
 EVENTS = "KV events (ZeroMQ, vLLM's format)"
+DASHBOARD = "cache explorer (/dashboard) and per-tenant metrics"
 
 
 @dataclass
@@ -75,6 +76,13 @@ class ServerArgs(CliArgs):
                                                                 "none: any client knowing the server key)",
                                                           metavar="Z85", append=True, group=EVENTS)
 
+    dashboard: bool = option(True, "serve the live cache explorer at /dashboard (admin key when keys are set)",
+                             group=DASHBOARD)
+    dashboard_show_text: bool = option(False, "let /dashboard show cached blocks' token text (every tenant's "
+                                              "prompts, to whoever holds the admin key)", group=DASHBOARD)
+    metrics_top_tenants: int = option(10, "per-tenant cache metrics: the N busiest tenants by label, the rest "
+                                          "summed as 'other'", group=DASHBOARD)
+
     replicas: int | None = option(None, "run N engine replicas on Ray Serve behind one front", type=int,
                                   group=REPLICAS)
     router: str = option("cache-aware", "how requests pick a replica (kvmosaic/router/policies.py)",
@@ -106,7 +114,8 @@ class ServerArgs(CliArgs):
     def engine_overrides(self) -> dict[str, Any]:
         """What the server sets in the engine's config: events on when published (always on a
         replica: the router follows them)."""
-        return {"enable_kv_events": bool(self.kv_events_endpoint or self.replicas)}
+        return {"enable_kv_events": bool(self.kv_events_endpoint or self.replicas),
+                "keep_block_tokens": self.dashboard_show_text}
 
     def tenant_policy(self):
         """The tenancy policy (its public prefixes, which need the engine's tokenizer, are added

@@ -52,12 +52,20 @@ async def merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reques
             task.cancel()
 
 
-def usage(outs: list[RequestOutput | None]) -> dict:
+def usage(outs: list[RequestOutput | None], miss_reasons: bool = False) -> dict:
     """vLLM's sums: each prompt's tokens (and cached tokens) once — from its first sample —
-    and every choice's completion tokens."""
+    and every choice's completion tokens. ``miss_reasons`` (opt-in, issue 23): the prompts'
+    missed tokens by reason, as the engine counted them in the caller's own namespace."""
     firsts = [o for o in outs if o is not None and o.index == 0]
     prompt = sum(len(o.prompt_token_ids) for o in firsts)
     completion = sum(len(o.token_ids) for o in outs if o is not None)
+    details = {"cached_tokens": sum(o.num_cached_tokens for o in firsts),
+               "segment_tokens": sum(o.num_segment_tokens for o in firsts)}
+    if miss_reasons:
+        reasons: dict[str, int] = {}
+        for o in firsts:
+            for k, v in (o.miss_reasons or {}).items():
+                reasons[k] = reasons.get(k, 0) + v
+        details["miss_reasons"] = reasons
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": sum(o.num_cached_tokens for o in firsts),
-                                      "segment_tokens": sum(o.num_segment_tokens for o in firsts)}}
+            "prompt_tokens_details": details}

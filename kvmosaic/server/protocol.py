@@ -157,6 +157,9 @@ class SamplingFields(StrictModel):
     cache_salt: Annotated[str, Field(min_length=1, max_length=MAX_SALT_CHARS)] | None = None
     # shared-public tenancy: the first N chat messages (or prompt characters / token ids) are public
     public_prefix: Annotated[int, Field(ge=0)] | None = None
+    # issue 23: usage.prompt_tokens_details.miss_reasons (missed prompt tokens by reason, the
+    # caller's own namespace only)
+    return_miss_reasons: bool = False
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0

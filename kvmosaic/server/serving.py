@@ -241,7 +241,7 @@ class OpenAIServing:
                 lps = R.completion_logprobs(out, 0, self.decode, 0) if logprobs is not None else None
                 choices.append(R.completion_choice(i, out, lps))
         body = R.chat_body if chat else R.completion_body
-        return JSONResponse(body(rid, created, self.model_name, choices, usage_of(outs)))
+        return JSONResponse(body(rid, created, self.model_name, choices, usage_of(outs, req.return_miss_reasons)))
 
     async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
         """The final output of every stream, in order; aborts them all if the client goes away
@@ -296,7 +296,7 @@ class OpenAIServing:
                     body = R.completion_chunk(rid, created, self.model_name, delta, R.finish_reason(out), lps, i)
                 sent_tokens[i] = len(out.token_ids)
                 if include_usage:
-                    body["usage"] = usage_of(latest) if continuous else None
+                    body["usage"] = usage_of(latest, req.return_miss_reasons) if continuous else None
                 yield sse(body)
         except RequestFailed as e:  # an explicit error event, then [DONE]: never a silent cut
             yield sse(error_body(e.status, e.message, code=e.reason))
@@ -306,5 +306,5 @@ class OpenAIServing:
             await results.aclose()
         if include_usage and any(o is not None for o in latest):
             yield sse(R.usage_chunk(rid, created, self.model_name,
-                                    "chat.completion.chunk" if chat else "text_completion", usage_of(latest)))
+                                    "chat.completion.chunk" if chat else "text_completion", usage_of(latest, req.return_miss_reasons)))
         yield sse("[DONE]")
