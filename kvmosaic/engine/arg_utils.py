@@ -166,6 +166,9 @@ class EngineArgs(CliArgs):
                                               "shared tiers trust every writer)", metavar="SECRET", repr=False)
     kv_tier_secret_file: str | None = option(None, "read --kv-tier-secret from this file at engine start",
                                              metavar="PATH")
+    kv_cache_metrics_sample: float = option(0.01, "fraction of KV blocks whose lifetime, idle time before "
+                                                  "eviction and reuse gaps are observed (vLLM's kv_block_* "
+                                                  "histograms; 0: off)", metavar="F")
 
     def create_engine_config(self, **overrides: Any) -> EngineConfig:
         """The validated config on this machine (``dtype="auto"`` resolved here)."""

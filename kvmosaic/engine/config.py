@@ -59,6 +59,8 @@ class EngineConfig(EngineArgs):
             self.kv_tiers = list(self.kv_tiers)
             for spec in self.kv_tiers:
                 parse_tier_spec(spec)  # raises ValueError on a bad spec
+        if not 0.0 <= self.kv_cache_metrics_sample <= 1.0:
+            raise ValueError(f"kv_cache_metrics_sample is a fraction in [0, 1], got {self.kv_cache_metrics_sample}")
         if self.segment_separator is not None and not self.segment_separator.strip():
             raise ValueError("segment_separator must be a non-blank string")
         if self.chat_template is not None and not os.path.isfile(self.chat_template):

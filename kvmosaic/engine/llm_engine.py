@@ -20,6 +20,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,6 +30,7 @@ from ..cache.block_pool import BlockPool
 from ..cache.events import EventLog
 from ..cache.hashing import get_hash_fn, make_seed
 from ..cache.manager import HashCacheManager, KVCacheManager, TierLookup
+from ..cache.residency import BlockResidency
 from ..kv.connector import KVConnector
 from ..kv.paged import PagedKVCache
 from ..kv.tiered import make_tier_connector
@@ -72,6 +74,8 @@ class EngineStats:
     kv_slots_used: int = 0  # of those, slots holding a computed token
     # Storage tiers: per tier (by name) counters, medium, policy, state, bytes; {} when off.
     kv_tiers: dict = field(default_factory=dict)
+    # Sampled KV block residency histograms (cache/residency.py); {} when off.
+    kv_residency: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -130,8 +134,11 @@ class LLMEngine:
         if self.tiers is not None:
             self._tiers_finalizer = weakref.finalize(self, self.tiers.close)
         medium = "GPU" if self.device.type == "cuda" else self.device.type.upper()
+        residency = BlockResidency(config.kv_cache_metrics_sample) if config.kv_cache_metrics_sample else None
         self.pool = BlockPool(num_blocks, config.block_size, self.events, config.verify_tokens, medium=medium,
-                              observer=self.tiers)
+                              observer=self.tiers, residency=residency)
+        # Told the tokens of every step (vLLM's iteration_tokens_total); set by the server's metrics.
+        self.on_iteration: Callable[[int], None] | None = None
         seed = make_seed(self.model_fingerprint, config.dtype, config.block_size, config.hash_algo)
         self.cache = make_cache_manager(config, self.pool, seed, self.tiers)
         self.scheduler = Scheduler(
@@ -230,6 +237,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
+        if sched.scheduled:
+            now = time.perf_counter()
+            for s in sched.scheduled:  # vLLM's queue time ends when a request is first scheduled
+                if s.seq.first_scheduled_time is None:
+                    s.seq.first_scheduled_time = now
+            if self.on_iteration is not None:
+                self.on_iteration(sched.num_tokens)
         outputs = [self._retire(seq) for seq in sched.out_of_memory]
         # A storage-tier load that raised fails its request alone (issue 14).
         outputs += [self._fail(seq, msg, "tier_load") for seq, msg in sched.failed]
@@ -326,6 +340,9 @@ class LLMEngine:
             seq.first_token_time = now
             if seq.parent_id is None:  # a forked sample computed no prompt token
                 self.prompt_tokens += seq.num_prompt_tokens
+        else:
+            seq.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
         seq.append_token(tok)
         self.generation_tokens += 1
         if lp is not None:
@@ -378,6 +395,7 @@ class LLMEngine:
             kv_bytes_per_token=self.kv.bytes_per_token,
             num_events_dropped=self.events.num_dropped,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
+            kv_residency=self.pool.residency.snapshot() if self.pool.residency is not None else {},
             **self._slot_usage(),
         )
 
