@@ -49,7 +49,8 @@ def build_server(engine: AsyncEngine, args: ServerArgs, model_name: str | None =
     limits = TenantLimits(args.tenant_max_requests, args.tenant_max_queued_tokens, metrics.tenant_over_limit)
     return build_app(engine, model_name, metrics, tenants, args.max_body_bytes,
                      drain=drain or Drain(args.shutdown_timeout), body_timeout=args.body_timeout, limits=limits,
-                     exposed=exposed)
+                     exposed=exposed, tool_parser=args.tool_call_parser,
+                     auto_tools=args.enable_auto_tool_choice)
 
 
 def request_body(model: type[BaseModel]) -> dict:
@@ -87,6 +88,8 @@ def build_app(
     body_timeout: float = 30.0,
     limits: TenantLimits | None = None,
     exposed: CollectorRegistry | None = None,
+    tool_parser: str | None = None,
+    auto_tools: bool = False,
 ) -> FastAPI:
     """``exposed``: the registry /metrics serves (default ``metrics.registry``; build_server
     gives the one with vLLM's metrics and the configured prefix)."""
@@ -94,7 +97,7 @@ def build_app(
     drain = drain or Drain()
     drain.on_reject = lambda reason: metrics.count("rejected", reason)
     engine.on_count = metrics.count
-    serving = OpenAIServing(engine, model_name, tenants, limits)
+    serving = OpenAIServing(engine, model_name, tenants, limits, tool_parser, auto_tools)
     created = int(time.time())
 
     @asynccontextmanager
