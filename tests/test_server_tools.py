@@ -16,11 +16,11 @@ from types import SimpleNamespace
 import openai
 import pytest
 
+from kvmosaic.model.tokenizer import resolve_chat_template, with_chat_template
 from kvmosaic.server.errors import APIError
 from kvmosaic.server.launch import ServerProcess
 from kvmosaic.server.protocol import ChatCompletionRequest
 from kvmosaic.server.serving import OpenAIServing
-from kvmosaic.model.tokenizer import resolve_chat_template, with_chat_template
 from kvmosaic.server.tools import HermesStream, forced_schema, parse_hermes, template_renders_tools
 
 MODEL = "SmolLM2-135M-Instruct"
