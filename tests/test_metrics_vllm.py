@@ -95,7 +95,7 @@ def test_request_phases_observed_once_at_finish():
                            prefix_cache="hash", hash_algo="sha256")
     sm = ServerMetrics(lambda: None, "m")  # its engine collector is not scraped below
     sm.registry = CollectorRegistry()
-    vm = VllmMetrics(sm, lambda: SimpleNamespace(kv_residency={}, kv_tiers={}), info, "vllm:")
+    vm = VllmMetrics(sm, lambda: SimpleNamespace(kv_residency={}, kv_tiers={}, kv_cache_usage=0.0), info, "vllm:")
     out = RequestOutput("r", None, list(range(40)), "abc", [1, 2, 3, 4], num_cached_tokens=16, finished=True,
                         finish_reason="length", metrics={
                             "arrival_time": 10.0, "ttft": 0.5, "first_scheduled_time": 10.25,
@@ -123,3 +123,41 @@ def test_request_phases_observed_once_at_finish():
     out.finish_reason = "error"  # a failed request is not observed
     vm.on_finish(out)
     assert value('vllm:request_queue_time_seconds_count{model_name="m"}') == 1
+
+
+# The names vLLM's example dashboard (examples/online_serving/prometheus_grafana/grafana.json)
+# queries, read 2026-11-23: with --metrics-prefix vllm: each must be exposed.
+VLLM_DASHBOARD_NAMES = (
+    "vllm:e2e_request_latency_seconds_bucket", "vllm:e2e_request_latency_seconds_sum",
+    "vllm:e2e_request_latency_seconds_count", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:time_per_output_token_seconds_bucket", "vllm:time_per_output_token_seconds_sum",
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds_bucket",
+    "vllm:gpu_cache_usage_perc", "vllm:request_prompt_tokens_bucket", "vllm:request_generation_tokens_bucket",
+    "vllm:request_success_total", "vllm:request_queue_time_seconds_sum", "vllm:request_prefill_time_seconds_sum",
+    "vllm:request_decode_time_seconds_sum", "vllm:request_max_num_generation_tokens_sum",
+)
+
+
+def test_vllm_dashboard_names_are_exposed_under_the_vllm_prefix():
+    from dataclasses import fields
+    from types import SimpleNamespace
+
+    from kvmosaic.engine.llm_engine import EngineStats
+    from kvmosaic.server.metrics import ServerMetrics
+    from kvmosaic.server.metrics_vllm import VllmMetrics
+
+    stats = EngineStats(**{f.name: 0 for f in fields(EngineStats) if f.name not in ("kv_tiers", "kv_residency")})
+    info = SimpleNamespace(max_model_len=1024, block_size=16, num_kv_blocks=8, dtype="float32",
+                           prefix_cache="hash", hash_algo="sha256")
+    sm = ServerMetrics(lambda: stats, "m")
+    vm = VllmMetrics(sm, lambda: stats, info, "vllm:")
+    out = RequestOutput("r", None, [1, 2], "ab", [3, 4], num_cached_tokens=0, finished=True, finish_reason="stop",
+                        metrics={"arrival_time": 1.0, "ttft": 0.1, "e2e": 0.3, "first_scheduled_time": 1.0,
+                                 "first_token_time": 1.1, "last_token_time": 1.3, "finish_time": 1.3, "itl": [0.2],
+                                 "num_tier_tokens": 0, "max_tokens": 2, "n": 1})
+    sm.on_finish(out)
+    vm.on_finish(out)
+    exposed = {line.split("{")[0].split(" ")[0] for line in generate_latest(vm.exposed).decode().splitlines()
+               if line and not line.startswith("#")}
+    assert not set(VLLM_DASHBOARD_NAMES) - exposed, set(VLLM_DASHBOARD_NAMES) - exposed
+    assert not [n for n in exposed if n.startswith("kvmosaic:")]

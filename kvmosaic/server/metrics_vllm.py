@@ -21,6 +21,10 @@ supplied by the storage tiers, vLLM's KV-connector cache), the sampled residency
 and the tier counters in both units, each named for its unit (``kv_tier_queries_blocks`` /
 ``_tokens``, ``kv_tier_hits_blocks`` / ``_tokens``).
 
+vLLM's deprecated names that its example Grafana dashboard still reads:
+``time_per_output_token_seconds`` (= ``inter_token_latency_seconds``) and
+``gpu_cache_usage_perc`` (= ``kv_cache_usage_perc``).
+
 Our own: ``time_to_first_token_by_cache_seconds{cache="hit"|"miss"}`` (TTFT of requests that
 found any cached prompt token, and of those that found none).
 
@@ -110,6 +114,9 @@ class VllmMetrics:
         self.tpot = hist("request_time_per_output_token_seconds", "time_per_output_token_seconds per request.",
                          TOKEN_LATENCY_BUCKETS)
         self.itl = hist("inter_token_latency_seconds", "Inter-token latency in seconds.", TOKEN_LATENCY_BUCKETS)
+        # vLLM's earlier name for the same observations, which its example dashboard still reads
+        self.itl_alias = hist("time_per_output_token_seconds", "Inter-token latency in seconds (deprecated name "
+                              "of inter_token_latency_seconds).", TOKEN_LATENCY_BUCKETS)
         self.prompt = hist("request_prompt_tokens", "Number of prefill tokens processed.", tokens)
         self.generation = hist("request_generation_tokens", "Number of generation tokens processed.", tokens)
         self.computed = hist("request_prefill_kv_computed_tokens",
@@ -156,6 +163,7 @@ class VllmMetrics:
             self.tpot.labels(name).observe((last - first) / (n_gen - 1))
         for gap in m.get("itl", ()):
             self.itl.labels(name).observe(gap)
+            self.itl_alias.labels(name).observe(gap)
         self.generation.labels(name).observe(n_gen)
         self.max_gen.labels(name).observe(m["max_tokens"])
         self.params_max_tokens.labels(name).observe(m["max_tokens"])
@@ -191,6 +199,10 @@ class ScrapeCollector(Collector):
                                  labels=list(self.config))
         info.add_metric(list(self.config.values()), 1.0)
         yield info
+        usage = GaugeMetricFamily(PREFIX + "gpu_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage "
+                                  "(deprecated name of kv_cache_usage_perc).", labels=["model_name"])
+        usage.add_metric([name], st.kv_cache_usage)
+        yield usage
         yield from residency_metrics(st.kv_residency or {}, name)
         yield from tier_unit_metrics((st.kv_tiers or {}).get("tiers", {}), self.info.block_size, name)
 
