@@ -64,15 +64,16 @@ def test_required_streamed_equals_whole(client):
     assert whole.finish_reason == "tool_calls" and whole.message.tool_calls
     assert all(c.function.name in ("get_weather", "get_time") for c in whole.message.tool_calls)
     calls: dict[int, dict] = {}
-    finish = None
-    for chunk in create(client, stream=True, **kw):
+    finish, usage = None, None
+    for chunk in create(client, stream=True, stream_options={"include_usage": True}, logprobs=True, **kw):
+        usage = chunk.usage or usage
         for ch in chunk.choices:
             for d in ch.delta.tool_calls or []:
                 c = calls.setdefault(d.index, {"name": "", "arguments": ""})
                 c["name"] += d.function.name or ""
                 c["arguments"] += d.function.arguments or ""
             finish = ch.finish_reason or finish
-    assert finish == "tool_calls"
+    assert finish == "tool_calls" and usage.completion_tokens > 0
     assert [calls[i] for i in sorted(calls)] == [
         {"name": c.function.name, "arguments": c.function.arguments} for c in whole.message.tool_calls]
 

@@ -324,10 +324,19 @@ class OpenAIServing:
                 if chat and parsers is not None:  # tool calls: the parser decides what each delta is
                     p = parsers[i]
                     deltas = p.feed(delta) + (p.finish() if out.finished else [])
+                    if out.finished and not deltas:
+                        deltas = [{}]
+                    if not deltas:
+                        continue  # held back (a tag may be starting); its logprobs go with the next chunk
+                    lps = R.chat_logprobs(out, sent_tokens[i], self.decode, logprobs or 0) \
+                        if logprobs is not None else None
                     finish = tool_finish(R.finish_reason(out), p.calls)
-                    for j, d in enumerate(deltas or ([{}] if out.finished else [])):
-                        yield sse(R.chat_chunk(rid, created, self.model_name, d,
-                                               finish if j == len(deltas) - 1 or not deltas else None, None, i))
+                    for j, d in enumerate(deltas):
+                        body = R.chat_chunk(rid, created, self.model_name, d,
+                                            finish if j == len(deltas) - 1 else None, lps if j == 0 else None, i)
+                        if include_usage:
+                            body["usage"] = usage_of(latest) if continuous else None
+                        yield sse(body)
                     sent_tokens[i] = len(out.token_ids)
                     continue
                 if chat:
