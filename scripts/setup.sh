@@ -25,3 +25,10 @@ fi
 if [ ! -x /usr/bin/chromium ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
   apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium
 fi
+# A real Prometheus for tests/test_deploy_prometheus.py (the shipped dashboard's expressions):
+# Debian's package, when it is missing and we are root (a fresh machine needs apt-get update).
+if ! command -v prometheus >/dev/null && [ ! -x /usr/bin/prometheus ] && [ "$(id -u)" = 0 ] \
+   && command -v apt-get >/dev/null; then
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus
+  # Debian's package starts a system service where there is an init system; tests start their own.
+fi

@@ -35,6 +35,7 @@ ENGINE_FLAGS = {
     "kv_tiers": ["--kv-tier", "host:1GiB", "--kv-tier", "disk:{tmp}:1GiB"],
     "kv_tier_load_timeout": ["--kv-tier-load-timeout", "0.5"],
     "kv_tier_secret": ["--kv-tier-secret", "s3cret"], "kv_tier_secret_file": ["--kv-tier-secret-file", "{tmp}/secret"],
+    "kv_cache_metrics_sample": ["--kv-cache-metrics-sample", "0.5"],
     "enable_kv_events": [],  # not a flag: the server turns it on (events endpoint, replicas)
     "miss_reasons": ["--no-miss-reasons"],
     "keep_block_tokens": [],  # not a flag: the server turns it on (--dashboard-show-text)

@@ -36,6 +36,7 @@ from .block import FreeBlockQueue, KVBlock, NoFreeBlocksError
 from .events import AllBlocksCleared, BlockRemoved, BlockStored, EventLog
 from .eviction import Evictor, make_evictor
 from .hashing import BlockHash
+from .residency import BlockResidency
 
 __all__ = ["BlockObserver", "BlockPool", "FreeBlockQueue", "KVBlock", "NoFreeBlocksError"]
 
@@ -65,6 +66,7 @@ class BlockPool:
         max_pinned_blocks: int | None = None,
         medium: str = "CPU",
         observer: BlockObserver | None = None,
+        residency: BlockResidency | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the pool needs at least one block")
@@ -90,6 +92,8 @@ class BlockPool:
         # The KV layer groups (cache/kv_groups.KVGroup) when the pool serves a hybrid layout,
         # set by its manager (cache/hybrid.py); events name each block's group. None: one group.
         self.groups: tuple | None = None
+        # Sampled block lifetimes for vLLM's kv_block_* histograms (residency.py); None: off.
+        self.residency: BlockResidency | None = residency
 
     def set_eviction_policy(self, policy: str) -> None:
         """Switch the evictor; the evictable blocks move over (in the new policy's order)."""
@@ -134,6 +138,8 @@ class BlockPool:
             block.hits = 1
             block.priority = 0
             block.last_access = next(self._clock)
+            if self.residency is not None:
+                self.residency.allocated(block.block_id)
             out.append(block)
         return out
 
@@ -148,6 +154,8 @@ class BlockPool:
             block.ref_cnt += 1
             block.hits += 1
             block.last_access = next(self._clock)
+            if self.residency is not None:
+                self.residency.accessed(block.block_id)
 
     def free_blocks(self, ordered_blocks: Iterable[KVBlock], priority: int = 0) -> None:
         """Drop one reference from each block. Pass them in eviction order: a request frees
@@ -236,6 +244,8 @@ class BlockPool:
         block.block_hash = None
         block.token_ids = None
         self.num_evictions += evicted
+        if evicted and self.residency is not None:
+            self.residency.evicted(block.block_id)
 
     def _evict(self, block: KVBlock) -> None:
         self.uncache_block(block)
@@ -257,6 +267,8 @@ class BlockPool:
         self.free_queue = FreeBlockQueue(self.blocks)
         self.evictor = make_evictor(self.eviction_policy, self.num_blocks)
         self.events.emit(AllBlocksCleared())
+        if self.residency is not None:
+            self.residency.cleared()
         return True
 
     def check_invariants(self) -> None:

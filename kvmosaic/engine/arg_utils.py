@@ -116,7 +116,9 @@ class EngineArgs(CliArgs):
     model: str | None = option(None, "GGUF file, safetensors folder, or org/name in the local Hugging Face "
                                      "cache (default: the shipped model)")
     chat_template: str | None = option(None, "a Jinja chat template file, instead of the model's own "
-                                             "(tokenizer_config.json / chat_template.jinja / GGUF)", metavar="FILE")
+                                             "(tokenizer_config.json / chat_template.jinja / GGUF), or a shipped "
+                                             "one by name: chatml-tools (ChatML with Hermes tool calls)",
+                                        metavar="FILE")
     dtype: str = option("auto", "auto: bfloat16 where the hardware computes it natively "
                                 "(CUDA, AVX512-BF16, AMX), else float32", choices=DTYPE_CHOICES)
     device: str = option("auto", "auto: CUDA when there is one")
@@ -173,6 +175,9 @@ class EngineArgs(CliArgs):
     miss_reasons: bool = option(True, "count why prompt tokens miss the cache, by reason and by tenant "
                                       "(kvmosaic/cache/lens.py)")
     keep_block_tokens: bool = option(False, cli=False)  # the server sets it: --dashboard-show-text
+    kv_cache_metrics_sample: float = option(0.01, "fraction of KV blocks whose lifetime, idle time before "
+                                                  "eviction and reuse gaps are observed (vLLM's kv_block_* "
+                                                  "histograms; 0: off)", metavar="F")
 
     def create_engine_config(self, **overrides: Any) -> EngineConfig:
         """The validated config on this machine (``dtype="auto"`` resolved here)."""

@@ -59,10 +59,16 @@ class EngineConfig(EngineArgs):
             self.kv_tiers = list(self.kv_tiers)
             for spec in self.kv_tiers:
                 parse_tier_spec(spec)  # raises ValueError on a bad spec
+        if not 0.0 <= self.kv_cache_metrics_sample <= 1.0:
+            raise ValueError(f"kv_cache_metrics_sample is a fraction in [0, 1], got {self.kv_cache_metrics_sample}")
         if self.segment_separator is not None and not self.segment_separator.strip():
             raise ValueError("segment_separator must be a non-blank string")
+        from ..model.tokenizer import SHIPPED_TEMPLATES, resolve_chat_template
+
+        self.chat_template = resolve_chat_template(self.chat_template)
         if self.chat_template is not None and not os.path.isfile(self.chat_template):
-            raise ValueError(f"chat template file {self.chat_template!r} does not exist")
+            raise ValueError(f"chat template file {self.chat_template!r} does not exist (shipped templates: "
+                             f"{', '.join(SHIPPED_TEMPLATES)})")
         self.model = resolve_model(self.model)  # org/name: its folder in the local HF cache
         traits = check_model(self.model)  # its architecture, from its config alone
         if traits is not None and self.segment_reuse != "off" and not traits.segment_reuse_ok:

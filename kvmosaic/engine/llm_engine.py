@@ -20,6 +20,7 @@ import itertools
 import logging
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,6 +33,7 @@ from ..cache.hybrid import HybridCacheManager
 from ..cache.kv_groups import KVLayout
 from ..cache.lens import CacheLens
 from ..cache.manager import HashCacheManager, KVCacheManager, TierLookup
+from ..cache.residency import BlockResidency
 from ..cache.watch import CacheWatch
 from ..kv.connector import KVConnector
 from ..kv.paged import PagedKVCache
@@ -78,6 +80,8 @@ class EngineStats:
     kv_tiers: dict = field(default_factory=dict)
     # Live miss reasons and per-tenant figures (CacheLens.snapshot); {} when off.
     lens: dict = field(default_factory=dict)
+    # Sampled KV block residency histograms (cache/residency.py); {} when off.
+    kv_residency: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -162,8 +166,11 @@ class LLMEngine:
         # passes each call on to the tiers' connector.
         self.watch = CacheWatch(self.tiers, max(4 * self.kv.num_blocks, 4096), config.keep_block_tokens) \
             if config.miss_reasons else None
+        residency = BlockResidency(config.kv_cache_metrics_sample) if config.kv_cache_metrics_sample else None
         self.pool = BlockPool(self.kv.num_blocks, config.block_size, self.events, config.verify_tokens, medium=medium,
-                              observer=self.watch or self.tiers)
+                              observer=self.watch or self.tiers, residency=residency)
+        # Told the tokens of every step (vLLM's iteration_tokens_total); set by the server's metrics.
+        self.on_iteration: Callable[[int], None] | None = None
         seed = make_seed(self.model_fingerprint, config.dtype, config.block_size, config.hash_algo)
         self.cache = make_cache_manager(config, self.pool, seed, self.tiers, self.kv_layout)
         self.scheduler = Scheduler(
@@ -264,6 +271,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
+        if sched.scheduled:
+            now = time.perf_counter()
+            for s in sched.scheduled:  # vLLM's queue time ends when a request is first scheduled
+                if s.seq.first_scheduled_time is None:
+                    s.seq.first_scheduled_time = now
+            if self.on_iteration is not None:
+                self.on_iteration(sched.num_tokens)
         outputs = [self._retire(seq) for seq in sched.out_of_memory]
         # A storage-tier load that raised fails its request alone (issue 14).
         outputs += [self._fail(seq, msg, "tier_load") for seq, msg in sched.failed]
@@ -361,6 +375,9 @@ class LLMEngine:
             seq.first_token_time = now
             if seq.parent_id is None:  # a forked sample computed no prompt token
                 self.prompt_tokens += seq.num_prompt_tokens
+        else:
+            seq.inter_token_latencies.append(now - seq.last_token_time)
+        seq.last_token_time = now
         seq.append_token(tok)
         self.generation_tokens += 1
         if lp is not None:
@@ -418,6 +435,7 @@ class LLMEngine:
             num_events_dropped=self.events.num_dropped,
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             lens=self.lens.snapshot(self.scheduler.running) if self.lens is not None else {},
+            kv_residency=self.pool.residency.snapshot() if self.pool.residency is not None else {},
             **self._slot_usage(),
         )
 

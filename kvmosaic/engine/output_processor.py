@@ -105,10 +105,18 @@ class OutputProcessor:
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
             metrics={"arrival_time": seq.arrival_time, "ttft": seq.ttft,
                      "e2e": (seq.finish_time - seq.arrival_time) if seq.finish_time else None,
-                     "num_preemptions": seq.num_preemptions},
+                     "num_preemptions": seq.num_preemptions, **(phase_metrics(seq) if seq.finished else {})},
             error=error,
             error_reason=error_reason,
             index=seq.index,
             parent_request_id=seq.parent_id,
             miss_reasons=seq.miss_reasons,
         )
+
+
+def phase_metrics(seq: Sequence) -> dict:
+    """What vLLM's per-request histograms need, taken once, when the request finishes."""
+    return {"first_scheduled_time": seq.first_scheduled_time, "first_token_time": seq.first_token_time,
+            "last_token_time": seq.last_token_time, "finish_time": seq.finish_time,
+            "itl": list(seq.inter_token_latencies), "num_tier_tokens": seq.num_tier_tokens,
+            "max_tokens": seq.params.max_tokens, "n": seq.params.n}

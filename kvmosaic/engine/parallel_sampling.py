@@ -39,6 +39,7 @@ def make_child(parent: Sequence, child_id: str) -> Sequence:
                      parent.adapter_id, parent.priority, public_blocks=parent.public_blocks, tenant=parent.tenant,
                      arrival_time=parent.arrival_time)
     child.parent_id, child.index = parent.request_id, index
+    child.first_scheduled_time = parent.first_scheduled_time  # its queue time is its parent's
     return child
 
 

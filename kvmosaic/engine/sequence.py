@@ -43,6 +43,11 @@ class Sequence:
     num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1: not admitted yet)
     num_preemptions: int = 0
     first_token_time: float | None = None
+    # vLLM's phases: queued until first scheduled, prefill until the first token, then decode;
+    # the gaps between consecutive output tokens (inter-token latency).
+    first_scheduled_time: float | None = None
+    last_token_time: float | None = None
+    inter_token_latencies: list[float] = field(default_factory=list)
     finish_time: float | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None

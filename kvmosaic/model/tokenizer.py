@@ -20,6 +20,17 @@ def load_tokenizer(tokenizer_dir: str, gguf_file: str | None) -> PreTrainedToken
         return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
+#: Chat templates shipped in the package, selectable by name with ``--chat-template NAME``.
+SHIPPED_TEMPLATES = {"chatml-tools": "chatml_tools.jinja"}
+
+
+def resolve_chat_template(value: str | None) -> str | None:
+    """A template file path, or the path of a shipped template named ``value``; unknown: as is."""
+    if value is None or os.path.isfile(value) or value not in SHIPPED_TEMPLATES:
+        return value
+    return str(Path(__file__).with_name("templates") / SHIPPED_TEMPLATES[value])
+
+
 def with_chat_template(tokenizer: PreTrainedTokenizerBase, template_file: str | None) -> PreTrainedTokenizerBase:
     """``tokenizer``, or a copy of it whose chat template is read from ``template_file`` (the
     original is shared by the engines of a process and stays as it is)."""

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from pydantic import BaseModel
 
 from . import errors
@@ -24,6 +24,7 @@ from .errors import APIError
 from .limits import BodyReadTimeout, BodySizeLimit, HeaderLimits
 from .metrics import ServerMetrics
 from .metrics_cache import CacheLensCollector
+from .metrics_vllm import attach as attach_vllm_metrics
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .serving import OpenAIServing
 from .tenancy import TenantPolicy, build_public_prefixes, read_public_prefix_file
@@ -42,6 +43,7 @@ def build_server(engine: AsyncEngine, args: ServerArgs, model_name: str | None =
     if metrics is None:
         metrics = ServerMetrics(lambda: engine.stats, model_name)
         engine.on_finish = metrics.on_finish
+    exposed = attach_vllm_metrics(engine, metrics, args.metrics_prefix).exposed
     tenants = args.tenant_policy()
     if tenants.mode == "shared-public":
         texts, hashes = read_public_prefix_file(args.public_prefix_file) if args.public_prefix_file else ([], [])
@@ -50,7 +52,9 @@ def build_server(engine: AsyncEngine, args: ServerArgs, model_name: str | None =
     # issue 23: miss reasons and per-tenant figures on /metrics; the cache explorer
     metrics.registry.register(CacheLensCollector(lambda: engine.stats, model_name, args.metrics_top_tenants))
     app = build_app(engine, model_name, metrics, tenants, args.max_body_bytes,
-                    drain=drain or Drain(args.shutdown_timeout), body_timeout=args.body_timeout, limits=limits)
+                    drain=drain or Drain(args.shutdown_timeout), body_timeout=args.body_timeout, limits=limits,
+                    exposed=exposed, tool_parser=args.tool_call_parser,
+                    auto_tools=args.enable_auto_tool_choice)
     if args.dashboard:
         add_dashboard_routes(app, engine, tenants, args.dashboard_show_text, args.metrics_top_tenants)
     return app
@@ -90,12 +94,17 @@ def build_app(
     drain: Drain | None = None,
     body_timeout: float = 30.0,
     limits: TenantLimits | None = None,
+    exposed: CollectorRegistry | None = None,
+    tool_parser: str | None = None,
+    auto_tools: bool = False,
 ) -> FastAPI:
+    """``exposed``: the registry /metrics serves (default ``metrics.registry``; build_server
+    gives the one with vLLM's metrics and the configured prefix)."""
     tenants = tenants or TenantPolicy()
     drain = drain or Drain()
     drain.on_reject = lambda reason: metrics.count("rejected", reason)
     engine.on_count = metrics.count
-    serving = OpenAIServing(engine, model_name, tenants, limits)
+    serving = OpenAIServing(engine, model_name, tenants, limits, tool_parser, auto_tools)
     created = int(time.time())
 
     @asynccontextmanager
@@ -174,7 +183,7 @@ def build_app(
     async def prometheus(request: Request) -> Response:
         tenants.require_admin(request.headers.get("authorization"), "/metrics")
         await engine.refresh_stats()
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(exposed or metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     add_utility_routes(app, serving, drain, created)  # /tokenize, /detokenize, /version, /ping, /v1/models/{id}
     add_request_schemas(app, CompletionRequest, ChatCompletionRequest)

@@ -40,6 +40,13 @@ class ServerArgs(CliArgs):
                                          "seconds (408)", metavar="S")
     body_timeout: float = option(30.0, "answer 408 when a request body stalls for S seconds", metavar="S")
     timeout_keep_alive: int = option(5, "close idle connections after S seconds", metavar="S")
+    enable_auto_tool_choice: bool = option(False, "let the model call tools on its own (tool_choice 'auto'); "
+                                                  "needs --tool-call-parser")
+    tool_call_parser: str | None = option(None, "how tool calls are read from the output: hermes "
+                                                "(<tool_call>{json}</tool_call>; the shipped template "
+                                                "--chat-template chatml-tools writes them)", choices=("hermes",))
+    metrics_prefix: str = option("kvmosaic:", "the prefix of every /metrics name; 'vllm:' lets a vLLM Grafana "
+                                              "dashboard work unchanged", metavar="PREFIX")
 
     api_key: list[str] = option(help="require this bearer token (repeatable)", factory=list, append=True,
                                 group=TENANCY, repr=False)
@@ -100,6 +107,11 @@ class ServerArgs(CliArgs):
     def __post_init__(self) -> None:
         if self.tenancy is not None and self.tenancy not in TENANCY_MODES:
             raise ValueError(f"unknown tenancy mode {self.tenancy!r}; choose one of {TENANCY_MODES}")
+        from .metrics_vllm import check_prefix
+
+        check_prefix(self.metrics_prefix)
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("--enable-auto-tool-choice needs --tool-call-parser (hermes)")
         from .events import check_bind  # before any model loads: a bad endpoint is a one-line error
 
         for endpoint in filter(None, (self.kv_events_endpoint, self.kv_events_replay_endpoint)):

@@ -3,7 +3,7 @@
 Strict on purpose: a field of the wrong type is an error, never coerced (``"5"`` is not 5).
 An unknown field is ignored and named in one log line per request (vLLM's rule, so the
 extras that SDKs send do not break clients; :func:`ignored_fields` finds them, nested ones
-included). Known fields this server cannot honour (``echo``, ``suffix``, ``tools``,
+included). Known fields this server cannot honour (``echo``, ``suffix``,
 ``prompt_logprobs``, ``best_of`` other than ``n``, ``priority``, ``use_beam_search``,
 ``truncate_prompt_tokens``) are accepted only at their neutral value, and a 400 naming the
 field otherwise. (A misspelt ``cache_salt`` is therefore ignored, with that log line; to keep
@@ -56,6 +56,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from ..engine.sampling_params import MAX_N
+from .tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolList
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
@@ -274,14 +275,50 @@ class TextPart(StrictModel):
     text: str
 
 
+class CalledFunction(StrictModel):
+    name: str
+    arguments: str
+
+
+class AssistantToolCall(StrictModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS, fail_fast=True)]
+    # None only for an assistant message that made tool calls
+    content: str | Annotated[list[TextPart], Field(min_length=1, max_length=MAX_CONTENT_PARTS, fail_fast=True)] | None
     name: str | None = None
+    tool_calls: Annotated[list[AssistantToolCall], Field(max_length=MAX_TOOLS)] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _content_or_calls(self):
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (it may be null only in an assistant message with tool_calls)")
+        return self
 
     def as_template_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        """What the chat template sees; a call's JSON arguments become an object (vLLM does
+        the same: templates write ``arguments | tojson``)."""
+        content = self.content
+        text = content if isinstance(content, str) or content is None else "".join(p.text for p in content)
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -293,23 +330,31 @@ class ChatCompletionRequest(SamplingFields):
     # Template variables (e.g. ``enable_thinking``) for the model's chat template.
     chat_template_kwargs: Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)] | None = None
     add_generation_prompt: bool = True
-    # Tools are not supported: accepted only when empty (``tool_choice`` "none" or "auto").
-    tools: Annotated[list[Any], Field(max_length=0)] | None = None
-    tool_choice: Literal["none", "auto"] | None = None
+    # Tools (server/tools.py): through the chat template, parsed by --tool-call-parser, or forced.
+    tools: ToolList | None = None
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
-
-    @field_validator("tools", mode="before")
-    @classmethod
-    def _no_tools(cls, value):
-        if value:
-            raise ValueError("tools are not supported by this server (only an empty list)")
-        return value
 
     @model_validator(mode="after")
     def _chat_supported(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs to be true")
+        choice = self.effective_tool_choice
+        if choice not in (None, "none", "auto") and not self.tools:
+            raise ValueError("tool_choice 'required' or a named function needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in {t.function.name for t in self.tools}:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
+        if choice not in (None, "none", "auto") and self.response_format is not None \
+                and self.response_format.type != "text":
+            raise ValueError("response_format cannot be combined with tool_choice 'required' or a named function")
         return self
+
+    @property
+    def effective_tool_choice(self) -> ToolChoice | None:
+        """OpenAI's default: ``auto`` when tools are given, else none (None: no tools)."""
+        if not self.tools:
+            return None if self.tool_choice in (None, "none", "auto") else self.tool_choice
+        return self.tool_choice or "auto"
 
     @property
     def max_new_tokens(self) -> int | None:

@@ -33,9 +33,11 @@ from .choices import merge
 from .choices import usage as usage_of
 from .errors import APIError, error_body, from_validation_error
 from .params import sampling_params  # re-exported: callers import it from here
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, ignored_fields
+from .protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields, ignored_fields
 from .tenancy import TenantPolicy
 from .tenant_limits import TenantLimits
+from .tools import ToolSession, forced_schema, template_renders_tools
+from .tools import finish_reason as tool_finish
 
 log = logging.getLogger("kvmosaic.server")
 
@@ -126,7 +128,8 @@ def sse(data: dict | str) -> str:
 
 class OpenAIServing:
     def __init__(self, engine: AsyncEngine, model_name: str, tenants: TenantPolicy,
-                 limits: TenantLimits | None = None) -> None:
+                 limits: TenantLimits | None = None, tool_parser: str | None = None,
+                 auto_tools: bool = False) -> None:
         self.engine = engine
         self.model_name = model_name
         self.tenants = tenants
@@ -141,6 +144,25 @@ class OpenAIServing:
         except (TypeError, ValueError):
             own = set()
         self.reserved_template_kwargs = RESERVED_TEMPLATE_KWARGS | own
+        self.tool_parser, self.auto_tools = tool_parser, auto_tools
+        self._template_tools: bool | None = None  # whether the chat template renders tools (probed once)
+
+    def tool_session(self, req: ChatCompletionRequest) -> ToolSession | None:
+        """How this chat's tools are handled (None: no tools in play), or the 400 that says why
+        they cannot be: the template cannot show them, or ``auto`` without a parser."""
+        choice = req.effective_tool_choice
+        if choice in (None, "none"):
+            return None
+        if self._template_tools is None:
+            self._template_tools = template_renders_tools(self.tokenizer)
+        if not self._template_tools:
+            raise APIError(400, "this model's chat template cannot render tools; start the server with "
+                                "--chat-template chatml-tools (shipped: ChatML with Hermes tool calls) or "
+                                "another template that renders them", "tools")
+        if choice == "auto" and not (self.auto_tools and self.tool_parser):
+            raise APIError(400, '"auto" tool choice requires --enable-auto-tool-choice and --tool-call-parser '
+                                'to be set', "tool_choice")
+        return ToolSession(choice)
 
     def template_kwargs(self, kwargs: dict | None) -> dict:
         """``chat_template_kwargs`` as template variables: the keys that would change how the
@@ -168,27 +190,35 @@ class OpenAIServing:
 
     async def chat(self, request: Request):
         token = self.tenants.authenticate(request.headers.get("authorization"))
-        req, prompt = await off_loop(self.parse_chat, await read_body(request))
+        req, prompt, tools = await off_loop(self.parse_chat, await read_body(request))
         top = (req.top_logprobs or 0) if req.logprobs else None
-        return await self._serve(request, req, token, [prompt], req.max_new_tokens, top, "messages", chat=True)
+        return await self._serve(request, req, token, [prompt], req.max_new_tokens, top, "messages", chat=True,
+                                 tools=tools)
 
-    def parse_chat(self, body: bytes) -> tuple[ChatCompletionRequest, str]:
-        """The request and its prompt text: validation and the template, on a worker thread
-        under one time budget (a template costs per message)."""
+    def parse_chat(self, body: bytes) -> tuple[ChatCompletionRequest, str, ToolSession | None]:
+        """The request, its prompt text and its tool handling: validation and the template, on a
+        worker thread under one time budget (a template costs per message). A forced tool
+        choice becomes the request's JSON-schema grammar (server/tools.py)."""
         req = decode_and_validate(body, ChatCompletionRequest)
         messages = [m.as_template_dict() for m in req.messages]
-        self.check_chars(sum(len(m["content"]) for m in messages), "messages")
+        self.check_chars(sum(len(m["content"] or "") for m in messages), "messages")
         extra = self.template_kwargs(req.chat_template_kwargs)
+        tools = self.tool_session(req)
+        if tools is not None:
+            extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+            schema = forced_schema(req.tools, tools.choice)
+            if schema is not None:
+                req.response_format = ResponseFormat(type="json_schema", json_schema={"name": "tools", "schema": schema})
         try:
             prompt = self.tokenizer.apply_chat_template(messages, tokenize=False,
                                                         add_generation_prompt=req.add_generation_prompt, **extra)
         except Exception as e:  # the template's own checks (e.g. role order) raise here
             raise APIError(400, f"the chat template rejected these messages: {e}", "messages") from None
-        return req, prompt
+        return req, prompt, tools
 
     async def _serve(self, request: Request, req: SamplingFields, token: str | None,
                      prompts: list[str | list[int] | dict], max_tokens: int | None, logprobs: int | None,
-                     prompt_param: str, chat: bool):
+                     prompt_param: str, chat: bool, tools: ToolSession | None = None):
         """Queue every prompt's ``n`` samples (choice ``prompt * n + sample``), then answer or
         stream them; a prompt refused refuses the request, and the prompts queued before it
         are aborted (nothing stays in use)."""
@@ -227,7 +257,7 @@ class OpenAIServing:
             raise
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return AbortOnClose(self._stream(streams, req, rid, created, logprobs, chat), abort_all)
+            return AbortOnClose(self._stream(streams, req, rid, created, logprobs, chat, tools), abort_all)
         try:
             outs = await self._collect(request, streams)
         finally:
@@ -236,7 +266,12 @@ class OpenAIServing:
         for i, out in enumerate(outs):
             if chat:
                 lps = R.chat_logprobs(out, 0, self.decode, logprobs or 0) if logprobs is not None else None
-                choices.append(R.chat_choice(i, out, lps))
+                choice = R.chat_choice(i, out, lps)
+                if tools is not None:
+                    content, calls = tools.message(out.text)
+                    choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
+                    choice["finish_reason"] = tool_finish(out.finish_reason, calls)
+                choices.append(choice)
             else:
                 lps = R.completion_logprobs(out, 0, self.decode, 0) if logprobs is not None else None
                 choices.append(R.completion_choice(i, out, lps))
@@ -266,11 +301,12 @@ class OpenAIServing:
         raise client_left(request, "while its request ran")
 
     async def _stream(self, streams: list[RequestStream], req: SamplingFields, rid: str, created: int,
-                      logprobs: int | None, chat: bool) -> AsyncIterator[str]:
+                      logprobs: int | None, chat: bool, tools: ToolSession | None = None) -> AsyncIterator[str]:
         opts = req.stream_options
         include_usage = bool(opts and opts.include_usage)
         continuous = bool(opts and opts.continuous_usage_stats)
         texts = [R.TextDelta(req.stop_list) for _ in streams]
+        parsers = [tools.stream() for _ in streams] if tools is not None else None
         sent_tokens = [0] * len(streams)
         latest: list[RequestOutput | None] = [None] * len(streams)
         if chat:
@@ -284,6 +320,24 @@ class OpenAIServing:
                 text = texts[i]
                 delta = text.next(out.text, out.finished)
                 if not delta and not out.finished and logprobs is None:
+                    continue
+                if chat and parsers is not None:  # tool calls: the parser decides what each delta is
+                    p = parsers[i]
+                    deltas = p.feed(delta) + (p.finish() if out.finished else [])
+                    if out.finished and not deltas:
+                        deltas = [{}]
+                    if not deltas:
+                        continue  # held back (a tag may be starting); its logprobs go with the next chunk
+                    lps = R.chat_logprobs(out, sent_tokens[i], self.decode, logprobs or 0) \
+                        if logprobs is not None else None
+                    finish = tool_finish(R.finish_reason(out), p.calls)
+                    for j, d in enumerate(deltas):
+                        body = R.chat_chunk(rid, created, self.model_name, d,
+                                            finish if j == len(deltas) - 1 else None, lps if j == 0 else None, i)
+                        if include_usage:
+                            body["usage"] = usage_of(latest) if continuous else None
+                        yield sse(body)
+                    sent_tokens[i] = len(out.token_ids)
                     continue
                 if chat:
                     lps = R.chat_logprobs(out, sent_tokens[i], self.decode, logprobs or 0) \
