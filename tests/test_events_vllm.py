@@ -55,10 +55,10 @@ class VBatch(msgspec.Struct, array_like=True):
     data_parallel_rank: int | None = None
 
 
-def published_frames() -> list[list[bytes]]:
+def published_frames(wire_format: str = "vllm") -> list[list[bytes]]:
     """The frames a real publisher sends for one batch of each event kind."""
     endpoint = f"tcp://127.0.0.1:{free_port()}"
-    pub = ZmqEventPublisher(endpoint)
+    pub = ZmqEventPublisher(endpoint, wire_format=wire_format)
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.setsockopt(zmq.SUBSCRIBE, b"")
     sub.connect(endpoint)
@@ -84,6 +84,45 @@ def test_frames_are_vllm_033_tagged_maps():
     assert stored.block_hashes == [b"\x01" * 32, b"\x02" * 32] and stored.token_ids == list(range(32))
     assert stored.lora_name is None and stored.group_idx == 0 and stored.kv_cache_spec_kind == "full_attention"
     assert removed.block_hashes == [b"\x01" * 32] and removed.medium == "CPU"
+
+
+class OldEvent(msgspec.Struct, array_like=True, omit_defaults=True, tag=True):
+    """vLLM's earlier layout (up to 0.10), restated: events as tagged arrays."""
+
+
+class OldStored(OldEvent, tag="BlockStored"):
+    block_hashes: list[bytes | int]
+    parent_block_hash: bytes | int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class OldRemoved(OldEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes | int]
+    medium: str | None = None
+
+
+class OldCleared(OldEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class OldBatch(msgspec.Struct, array_like=True):
+    ts: float
+    events: list[OldStored | OldRemoved | OldCleared]
+    data_parallel_rank: int | None = None
+
+
+def test_the_earlier_array_layout_behind_a_flag():
+    (_, _, payload), = published_frames("array")
+    raw = msgspec.msgpack.decode(payload)
+    assert [e[0] for e in raw[1]] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"], raw[1]
+    stored, removed, _ = msgspec.msgpack.decode(payload, type=OldBatch).events
+    assert stored.block_hashes == [b"\x01" * 32, b"\x02" * 32] and stored.token_ids == list(range(32))
+    assert stored.block_size == 16 and stored.medium == "CPU" and removed.block_hashes == [b"\x01" * 32]
+    with pytest.raises(ValueError, match="format"):
+        ZmqEventPublisher(f"tcp://127.0.0.1:{free_port()}", wire_format="json")
 
 
 VLLM_DECODE = """

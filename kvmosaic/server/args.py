@@ -69,6 +69,9 @@ class ServerArgs(CliArgs):
                                                   "tcp://127.0.0.1:5557", metavar="ZMQ", group=EVENTS)
     kv_events_replay_endpoint: str | None = option(None, "e.g. tcp://127.0.0.1:5558", metavar="ZMQ", group=EVENTS)
     kv_events_topic: str = option("", group=EVENTS)
+    kv_events_format: str = option("vllm", "vllm: current vLLM's tagged maps (0.32+); array: its earlier "
+                                           "array layout, for consumers built against it",
+                                   choices=("vllm", "array"), group=EVENTS)
     kv_events_no_token_ids: bool = option(False, "publish block hashes without their token ids (what a "
                                                  "hash-based router needs)", group=EVENTS)
     kv_events_token_ids: bool = option(False, "with API keys, publish token ids too (by default they are left "
@@ -158,4 +161,4 @@ class ServerArgs(CliArgs):
             include_token_ids=self.events_carry_token_ids, allow_remote=self.kv_events_allow_remote,
             curve_secret_key=self.kv_events_curve_secret_key.encode() if self.kv_events_curve_secret_key else None,
             curve_client_keys=[k.encode() for k in self.kv_events_curve_client_key]
-            if self.kv_events_curve_client_key else None)
+            if self.kv_events_curve_client_key else None, wire_format=self.kv_events_format)

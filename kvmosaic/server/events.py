@@ -70,6 +70,48 @@ class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+class ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """vLLM's earlier layout (before the tagged maps, up to 0.10): each event a msgpack array
+    ``["<class name>", field, ...]`` with trailing defaults left out; ``--kv-events-format array``
+    for consumers built against it."""
+
+
+class ArrayBlockStored(ArrayEvent, tag="BlockStored"):
+    block_hashes: list[bytes]
+    parent_block_hash: bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+
+
+class ArrayBlockRemoved(ArrayEvent, tag="BlockRemoved"):
+    block_hashes: list[bytes]
+    medium: str | None = None
+
+
+class ArrayAllBlocksCleared(ArrayEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class ArrayKVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[ArrayBlockStored | ArrayBlockRemoved | ArrayAllBlocksCleared]
+    data_parallel_rank: int | None = None
+
+
+EVENT_FORMATS = ("vllm", "array")
+
+
+def as_array_event(event: KVCacheEvent) -> ArrayEvent:
+    if isinstance(event, BlockStored):
+        return ArrayBlockStored(event.block_hashes, event.parent_block_hash, event.token_ids, event.block_size,
+                                event.lora_id, event.medium)
+    if isinstance(event, BlockRemoved):
+        return ArrayBlockRemoved(event.block_hashes, event.medium)
+    return ArrayAllBlocksCleared()
+
+
 def is_loopback(endpoint: str) -> bool:
     """Whether a ZeroMQ endpoint stays on this machine (ipc, inproc, tcp on a loopback address)."""
     scheme, _, rest = endpoint.partition("://")
@@ -118,11 +160,15 @@ class ZmqEventPublisher:
     def __init__(self, endpoint: str, topic: str = "", replay_endpoint: str | None = None,
                  buffer_batches: int = 10_000, hwm: int = 100_000, include_token_ids: bool = True,
                  allow_remote: bool = False, curve_secret_key: bytes | None = None,
-                 curve_client_keys: list[bytes] | None = None) -> None:
+                 curve_client_keys: list[bytes] | None = None, wire_format: str = "vllm") -> None:
         """``include_token_ids=False`` publishes hashes only. Endpoints must be loopback unless
         ``allow_remote``. ``curve_secret_key`` (Z85, from ``zmq.curve_keypair()``) makes both
         sockets CURVE servers; ``curve_client_keys`` (Z85 public keys) then lists the only
-        subscribers let in (None: any client that knows the server's public key)."""
+        subscribers let in (None: any client that knows the server's public key).
+        ``wire_format``: "vllm" (current vLLM's tagged maps) or "array" (its earlier arrays)."""
+        if wire_format not in EVENT_FORMATS:
+            raise ValueError(f"unknown cache event format {wire_format!r}; choose one of {EVENT_FORMATS}")
+        self.wire_format = wire_format
         for ep in (endpoint, replay_endpoint):
             if ep:
                 check_bind(ep, allow_remote, curve_secret_key is not None)
@@ -183,7 +229,12 @@ class ZmqEventPublisher:
             self._auth.stop()
 
     def _send(self, events: list) -> None:
-        payload = self._encoder.encode(KVEventBatch(time.time(), [to_wire(e, self.include_token_ids) for e in events]))
+        wire = [to_wire(e, self.include_token_ids) for e in events]
+        if self.wire_format == "array":
+            batch = ArrayKVEventBatch(time.time(), [as_array_event(e) for e in wire])
+        else:
+            batch = KVEventBatch(time.time(), wire)
+        payload = self._encoder.encode(batch)
         seq = self._seq.to_bytes(8, "big", signed=True)
         try:
             self._pub.send_multipart((self.topic, seq, payload), flags=zmq.NOBLOCK)
