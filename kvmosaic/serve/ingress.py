@@ -101,11 +101,14 @@ class OpenAIIngress:
         """Authenticate (401 here), then the salt and prompt token ids the router needs; a body
         the replica will refuse gets no routing data (the replica answers it)."""
         token = self.tenants.authenticate(headers.get("authorization"))
+
+        def parse() -> dict[str, Any]:  # one hop to a worker thread: parsing, salt, tokens
+            parsed = json.loads(body)
+            return {"cache_salt": self.tenants.cache_salt(token, parsed.get("cache_salt")),
+                    "token_ids": prompt_token_ids(self.tokenizer, parsed, chat)}
+
         try:
-            parsed = await asyncio.to_thread(json.loads, body)
-            salt = self.tenants.cache_salt(token, parsed.get("cache_salt"))
-            ids = await asyncio.to_thread(prompt_token_ids, self.tokenizer, parsed, chat)
-            return {"cache_salt": salt, "token_ids": ids}
+            return await asyncio.to_thread(parse)
         except Exception:  # noqa: BLE001 - an invalid request is answered by the replica
             return {"token_ids": []}
 
