@@ -35,6 +35,9 @@ Picker = Callable[[torch.Tensor], torch.Tensor]  # scores [R] -> chosen indices 
 class BlendOutput:
     logits: torch.Tensor  # [len(logits_positions), vocab] float32
     recomputed: torch.Tensor  # [N] bool: tokens whose KV was computed in this pass
+    # [N] float: each reused token's deviation score at the check layer (0 elsewhere); None
+    # when nothing was scored (``pick=None``)
+    deviation: torch.Tensor | None = None
 
 
 def _meta(slots: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> AttentionMetadata:
@@ -72,6 +75,7 @@ def blend_forward(
     x = model.embed_tokens(token_ids[start:].to(dev))
     rope = RopeAt.at(model.rotary, pos)
     layers = list(model.layers)
+    dev_full = None
     if pick is None:
         sel = (~reused).nonzero().squeeze(1)
         first = 0
@@ -85,6 +89,8 @@ def blend_forward(
         r_slots = region_slots[r_idx]
         scores = deviation(k[r_idx], v[r_idx], kv.k[check_layer][r_slots], kv.v[check_layer][r_slots])
         chosen = r_idx[pick(scores).to(dev)]
+        dev_full = torch.zeros(n, dtype=torch.float32)
+        dev_full[(r_idx + start).cpu()] = scores.float().cpu()
         sel = torch.cat(((~reused).nonzero().squeeze(1), chosen)).sort().values
         kv.write(check_layer, region_slots, k, v)
         attn = paged_attention(q[sel], kv.k[check_layer], kv.v[check_layer],
@@ -101,4 +107,4 @@ def blend_forward(
     logits = model.compute_logits(x.index_select(0, where))
     recomputed = torch.zeros(n, dtype=torch.bool, device=dev)
     recomputed[pos[sel]] = True
-    return BlendOutput(logits, recomputed.cpu())
+    return BlendOutput(logits, recomputed.cpu(), dev_full)
