@@ -35,8 +35,16 @@ def test_chunks_partition_the_stream_within_bounds(tokens):
     spans = chunk_spans(tokens, RULE)
     assert [t for a, b in spans for t in tokens[a:b]] == tokens
     assert all(a < b and b - a <= RULE.max_tokens for a, b in spans)
-    for a, b in spans[:-1]:  # a chunk shorter than min_tokens ends only at a hard break
+    for a, b in spans[:-1]:  # a chunk shorter than min_tokens ends only at a break
         assert b - a >= RULE.min_tokens or tokens[b - 1] in (HARD, NL)
+
+
+def test_a_role_line_is_its_own_chunk():
+    body = list(range(100, 130)) + [NL, NL]
+    for role in ([50, NL], [51, 52, NL]):
+        ids = [HARD] + role + body
+        assert (1 + len(role), len(ids)) in chunk_spans(ids, RULE) or \
+            chunk_spans(ids, RULE)[2][0] == 1 + len(role)
 
 
 def test_documents_in_another_order_chunk_the_same():

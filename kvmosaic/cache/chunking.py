@@ -11,7 +11,9 @@ The rule, applied left to right with a running chunk start ``s``:
   a second newline token in a row) ends the chunk *after*
   itself and resets the rolling hash (nothing before it affects a later cut);
 * a soft break token (any token holding a newline) ends the chunk after itself when the
-  chunk has at least ``min_tokens`` tokens;
+  chunk has at least ``min_tokens`` tokens, or is the first line after a hard break (a chat
+  role line such as ``user\n`` is a chunk of its own, so the message after it chunks alike
+  under any role);
 * otherwise a gear rolling hash over the token ids (``h = (h << 1) + gear(t)`` in 32 bits, so
   the top bits depend on the last 32 tokens only, FastCDC's choice) ends the chunk when its
   top ``mask_bits`` bits are zero and the chunk has at least ``min_tokens`` tokens;
@@ -64,16 +66,17 @@ def chunk_spans(tokens: Sequence[int], rule: ChunkRule) -> list[tuple[int, int]]
     spans: list[tuple[int, int]] = []
     shift = 32 - rule.mask_bits
     hard, soft = rule.hard, rule.soft
-    start, h, newline = 0, 0, False
+    start, h, newline, first_line = 0, 0, False, True
     for i, t in enumerate(tokens):
         h = ((h << 1) + gear(t)) & _M32
         size = i + 1 - start
         is_hard = t in hard or (newline and t in soft)  # two newline tokens in a row: a blank line
         newline = t in soft
-        cut = is_hard or size >= rule.max_tokens or (size >= rule.min_tokens and (newline or (h >> shift) == 0))
+        cut = is_hard or size >= rule.max_tokens or (newline and first_line) or (
+            size >= rule.min_tokens and (newline or (h >> shift) == 0))
         if cut:
             spans.append((start, i + 1))
-            start = i + 1
+            start, first_line = i + 1, is_hard
             if is_hard:
                 h, newline = 0, False
     if start < len(tokens):
