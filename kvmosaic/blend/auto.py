@@ -38,6 +38,10 @@ from .store import SegmentKVStore
 
 MIN_CHUNK = 8  # chunks shorter than this are neither stored nor looked up
 MIN_REUSE = 32  # found tokens below which a prompt is an ordinary prefill
+# Reused tokens deviating at most this at the check layer are never recomputed (BlendOptions.floor):
+# a chunk found at its own position behind a small edit (a timestamp) deviates ~1e-4 past the
+# first tokens after the edit, a reordered document ~1e-2 (benchmarks/auto_reuse.py).
+AUTO_FLOOR = 0.005
 
 
 def rule_for(tokenizer) -> ChunkRule:

@@ -46,6 +46,7 @@ class BlendOptions:
     check_layer: int = 2
     selection: str = "deviation"  # "random" is the baseline the scores must beat
     seed: int = 0
+    floor: float = 0.0  # with a ratio: never recompute a token whose deviation is at most this
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -109,7 +110,7 @@ class Blender:
         pick = None
         if opts.mode in ("blend", "auto") and reused.any():
             gen = torch.Generator().manual_seed(opts.seed)
-            pick = lambda s: choose(s, opts.ratio, opts.threshold, opts.selection == "random", gen)  # noqa: E731
+            pick = lambda s: choose(s, opts.ratio, opts.threshold, opts.selection == "random", gen, opts.floor)  # noqa: E731
         out = blend_forward(self.model, self.kv, ids, slots, start, reused, torch.tensor(positions), pick,
                             opts.check_layer)
         stored = 0

@@ -27,7 +27,7 @@ from ..cache.segments import segment_seed
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from ..tiers import TierStack
-from .auto import AutoReuse, rule_for
+from .auto import AUTO_FLOOR, AutoReuse, rule_for
 from .blender import Blender, BlendOptions
 from .store import SegmentKVStore
 
@@ -72,7 +72,9 @@ class SegmentReuse:
 
     def options(self) -> BlendOptions:
         c = self.config
-        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, self.selection)
+        floor = AUTO_FLOOR if c.segment_reuse == "auto" else 0.0
+        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, self.selection,
+                            floor=floor)
 
     def _auto_candidate(self, s, cache) -> bool:
         """Auto mode, on the step that admits an unmarked prompt: look its chunks up once."""
