@@ -160,7 +160,7 @@ class Harness:
             verdict = guard(e.model, e.kv, ids, slots, res, e.config.auto_reuse_max_drift, positions)
         finally:
             e.cache.free(fake)
-        return torch.log_softmax(verdict.logits.float(), -1), verdict
+        return torch.log_softmax(verdict.logits.float(), -1), verdict, res
 
 
 @dataclass
@@ -182,8 +182,8 @@ def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
     st = Stats()
     for i, r in enumerate(reqs):
         full = h.run(False, r.prompt, None, max_tokens)
-        ref_lp, _ = h.forced(False, r.prompt, r.warm, full.token_ids[:FORCED])
-        lp, verdict = h.forced(True, r.prompt, r.warm, full.token_ids[:FORCED])
+        ref_lp, _, _ = h.forced(False, r.prompt, r.warm, full.token_ids[:FORCED])
+        lp, verdict, res = h.forced(True, r.prompt, r.warm, full.token_ids[:FORCED])
         k = kl(ref_lp, lp)
         prefix = h.run(False, r.prompt, r.warm, max_tokens)
         auto = h.run(True, r.prompt, r.warm, max_tokens)
@@ -196,12 +196,13 @@ def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
                reused=a["tokens"], prompt=len(auto.prompt_token_ids), cached=auto.num_cached_tokens,
                doc_share=a["tokens"] / doc_tokens if doc_tokens else float("nan"),
                fallback=float(a["fallback"]), drift=a["drift"] if a["drift"] is not None else 0.0,
-               forced_drift=verdict.drift, forced_fallback=float(verdict.fell_back),
+               forced_drift=res.drift, forced_drift_attn=res.drift_attn, forced_fallback=float(verdict.fell_back),
                bad_answered=float(not verdict.fell_back and verdict.num_reused_tokens > 0 and float(k.mean()) > 0.1),
                acc_full=float(r.answer.lower() in full.text.lower()) if r.answer else float("nan"),
                acc_auto=float(r.answer.lower() in auto.text.lower()) if r.answer else float("nan"))
         print(f"{label} {i + 1}/{len(reqs)}: prompt {len(auto.prompt_token_ids)}, prefix hit {prefix.num_cached_tokens}, "
-              f"auto reused {a['tokens']} (drift {a['drift']}, fallback {a['fallback']}), KL mean {float(k.mean()):.4f}, "
+              f"auto reused {a['tokens']} (drift {a['drift']}, fallback {a['fallback']}), KL mean {float(k.mean()):.4f} "
+              f"(forced: drift {res.drift:.4f}, attention-weighted {res.drift_attn:.5f}), "
               f"TTFT full/prefix/auto {full.metrics['ttft']:.2f}/{prefix.metrics['ttft']:.2f}/"
               f"{auto.metrics['ttft']:.2f} s", flush=True)
     return st
@@ -266,6 +267,17 @@ def main() -> None:
     results["sys-timestamp"] = measure(h, reqs, 32, "sys-timestamp")
     thr = no_reuse(h, args.rounds, 8, rng)
     print(table(results, thr))
+    pairs = [(d, a, k) for s in results.values()
+             for d, a, k in zip(s.rows["forced_drift"], s.rows["forced_drift_attn"], s.rows["kl_mean"])]
+    print("drift estimate against KL mean (Spearman): mean deviation "
+          f"{spearman([p[0] for p in pairs], [p[2] for p in pairs]):.2f}, attention-weighted "
+          f"{spearman([p[1] for p in pairs], [p[2] for p in pairs]):.2f}")
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    rx = torch.tensor(x).argsort().argsort().float()
+    ry = torch.tensor(y).argsort().argsort().float()
+    return float(torch.corrcoef(torch.stack((rx, ry)))[0, 1])
 
 
 if __name__ == "__main__":

@@ -72,6 +72,9 @@ class BlendResult:
     # drift estimate the auto-reuse guard bounds (blend/guard.py); 0.0 when none was kept or
     # nothing was scored (shift).
     drift: float = 0.0
+    # The same deviations weighted by the last prompt token's attention to them at the check
+    # layer (sum over the kept tokens): how much of what the answer reads is off.
+    drift_attn: float = 0.0
 
 
 class Blender:
@@ -120,9 +123,11 @@ class Blender:
                 stored += span.num_tokens
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()
-        drift = float(out.deviation[kept].mean()) if out.deviation is not None and kept.any() else 0.0
+        scored = out.deviation is not None and bool(kept.any())
+        drift = float(out.deviation[kept].mean()) if scored else 0.0
+        drift_attn = float((out.deviation * out.attention)[kept].sum()) if scored else 0.0
         return BlendResult(out.logits, int(kept.sum()), stored, int((reused & out.recomputed).sum()),
-                           int(inexact[0]) if inexact.numel() else n, drift)
+                           int(inexact[0]) if inexact.numel() else n, drift, drift_attn)
 
     # ---- steps ---------------------------------------------------------------------------
     def _read(self, slots: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,10 @@ The rule, applied left to right with a running chunk start ``s``:
   top ``mask_bits`` bits are zero and the chunk has at least ``min_tokens`` tokens;
 * a chunk never grows past ``max_tokens``.
 
-The hash is not reset at other cuts, so after an edit (a changed timestamp) the cuts fall in
-step again with the original's at the first hash or soft cut both see (usually within a chunk).
+The hash is reset at every cut at a line's end (hard or soft), not at other cuts: so a line
+that follows a role line chunks as it does after a blank line, and after an edit (a changed
+timestamp) the cuts fall in step again with the original's at the first line end or hash cut
+both see (usually within a chunk).
 
 Invariant (tested: ``tests/test_chunking.py``): for any prefix ``P`` ending in a hard break and
 any tokens ``T``, ``chunk_spans(P + T)`` shifted by ``-len(P)`` equals ``chunk_spans(T)`` past
@@ -77,8 +79,10 @@ def chunk_spans(tokens: Sequence[int], rule: ChunkRule) -> list[tuple[int, int]]
         if cut:
             spans.append((start, i + 1))
             start, first_line = i + 1, is_hard
+            if is_hard or newline:  # a cut at a line's end: the next line hashes from a clean state
+                h = 0
             if is_hard:
-                h, newline = 0, False
+                newline = False
     if start < len(tokens):
         spans.append((start, len(tokens)))
     return spans
