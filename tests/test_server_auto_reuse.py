@@ -7,6 +7,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
+from kvmosaic.audit import Auditor
 from kvmosaic.server.launch import ServerProcess
 
 DOCS = [
@@ -54,3 +55,16 @@ def test_reordered_documents_are_reused_for_their_tenant_only(server):
     assert metric(server, "kvmosaic:auto_reuse_fallbacks_total") == 0
     health = httpx.get(server.url + "/health", headers={"Authorization": "Bearer admin-key"}, timeout=30).json()
     assert health["kv"]["num_used_blocks"] == 0
+
+
+def test_the_audit_finds_no_cross_tenant_reuse_away_from_the_prefix(server):
+    """``kvmosaic audit --head-tokens``: a secret behind a fresh head is reused for its own
+    tenant (the oracle sees it) and never for another."""
+    def audit(attacker: str):
+        a = Auditor(server.url, attacker, "key-a", suffix=4, seed=1, head=24)
+        return a.probe_length(96, probes=2, order_pairs=0)
+
+    own = audit("key-a")
+    assert own.cached_leak and own.cached_true > 0  # the same tenant: found by auto reuse
+    other = audit("key-b")
+    assert not other.cached_leak and other.cached_true == 0
