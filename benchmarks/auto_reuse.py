@@ -247,7 +247,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8, help="measured requests per workload")
     ap.add_argument("--ratio", type=float, default=0.15, help="blend_ratio")
-    ap.add_argument("--max-drift", type=float, default=0.1, help="auto_reuse_max_drift (the guard's bound)")
+    ap.add_argument("--max-drift", type=float, default=0.03, help="auto_reuse_max_drift (the guard's bound)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="no-reuse: alternated rounds")

@@ -24,7 +24,7 @@ KEYS = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer k
 @pytest.fixture(scope="module")
 def server():
     proc = ServerProcess("--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256",
-                         "--max-model-len", "1024", "--segment-reuse", "auto",
+                         "--max-model-len", "1024", "--segment-reuse", "auto", "--auto-reuse-max-drift", "0.2",
                          "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "admin-key")
     with proc.start():
         yield proc
