@@ -252,10 +252,16 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="no-reuse: alternated rounds")
+    ap.add_argument("--no-reuse-only", action="store_true", help="only the no-reuse throughput")
     args = ap.parse_args()
     print(describe(), flush=True)
     rng = random.Random(args.seed)
     h = Harness(args.dtype, args.ratio, args.max_drift)
+    if args.no_reuse_only:
+        h.engine.segment_reuse.auto  # noqa: B018 - build the chunk rule before timing
+        off, on = no_reuse(h, args.rounds, 8, rng)
+        print(f"no-reuse throughput, auto off / on: {off:.0f} / {on:.0f} tok/s (ratio {on / off:.3f})")
+        return
     results = {}
     for name, chat in (("rag-text", False), ("rag-chat", True)):
         order = list(range(len(POOL)))
