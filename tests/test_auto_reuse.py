@@ -134,3 +134,16 @@ def test_marked_segments_keep_working_in_auto_mode(llm):
     llm.generate({"prompt": HEAD, "segments": DOCS, "suffix": tail}, GREEDY)
     out = llm.generate({"prompt": HEAD, "segments": DOCS[::-1], "suffix": tail}, GREEDY)[0]
     assert out.num_segment_tokens > 0 and out.auto_reuse is None  # the marked path, as before
+
+
+def test_chunks_live_in_the_tiers(tmp_path):
+    """A second engine on the same disk tier (a restart) finds the chunks the first one stored."""
+    tier = [f"disk:{tmp_path}:256MiB"]
+    first = LLM(dtype="float32", num_kv_blocks=128, segment_reuse="auto", kv_tiers=tier, auto_reuse_max_drift=0.2)
+    first.generate(text(DOCS), GREEDY)
+    first.engine.close()
+    del first
+    second = LLM(dtype="float32", num_kv_blocks=128, segment_reuse="auto", kv_tiers=tier, auto_reuse_max_drift=0.2)
+    out = second.generate(text(DOCS[::-1]), GREEDY)[0]
+    assert out.auto_reuse["tokens"] > 0 and second.engine.segment_reuse.store.tier_loads > 0
+    second.engine.close()
