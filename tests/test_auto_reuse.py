@@ -103,6 +103,7 @@ def test_guard_bound_is_the_line_between_answered_and_recomputed(llm):
 def test_auto_on_without_hits_equals_off_bit_for_bit(llm, plain):
     """Prompts with nothing to find, and exact prefix hits, are ordinary prefills in auto mode."""
     llm.engine.segment_reuse.store.clear()
+    assert llm.engine.reset_prefix_cache() and plain.engine.reset_prefix_cache()  # the same cache states
     prompts = [text(DOCS[:1], "Who keeps goats?"), text(DOCS[1:2], "Where is Quentol?"),
                text(DOCS[:1], "Who keeps goats?")]  # the last: a full prefix hit
     for p in prompts:
