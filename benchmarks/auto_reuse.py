@@ -7,6 +7,8 @@ Workloads (plain prompts, no ``segments`` field, no separator):
   and user messages through the model's template);
 * ``sys-timestamp``: a ~2,000-token system prompt whose first line is a timestamp that changes
   on every request, then a short question;
+* ``chat-edit``: multi-turn chats (3 user turns, 2 answers) resent with the name in the first
+  user message changed (the original was seen before; prefix caching stops at the edit);
 * ``no-reuse``: distinct random prompts, batched, to measure what ``auto`` costs when nothing
   is found (throughput with auto on / off, alternated).
 
@@ -117,6 +119,28 @@ def sys_requests(n: int, rng: random.Random) -> tuple[str, list[Req]]:
         system = sys_prompt(stamp())
         out.append(Req(system + user(qs[i % len(qs)]), first, None, [system]))  # "docs": the system prompt
     return first, out
+
+
+def edit_requests(n: int, rng: random.Random, tok) -> tuple[list[str], list[Req]]:
+    """Multi-turn chats (3 user turns, 2 answers) whose first user message is edited (the name in
+    it changes): (the originals, the edited requests, each warmed by its original)."""
+    names = ["Ada", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana"]
+    originals, out = [], []
+    for _ in range(n):
+        turns = [paragraph(rng, 60), paragraph(rng, 90), paragraph(rng, 60), paragraph(rng, 90)]
+        a, b = rng.sample(names, 2)
+
+        def chat(name: str, turns: list[str] = turns) -> str:
+            msgs = [{"role": "system", "content": "You are the assistant of a tile shop."},
+                    {"role": "user", "content": f"Hello, my name is {name}. {turns[0]}"},
+                    {"role": "assistant", "content": turns[1]}, {"role": "user", "content": turns[2]},
+                    {"role": "assistant", "content": turns[3]},
+                    {"role": "user", "content": "Which of this applies to my order?"}]
+            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+        originals.append(chat(a))
+        out.append(Req(chat(b), chat(a), None, [turns[1], turns[2], turns[3]]))
+    return originals, out
 
 
 class Harness:
@@ -253,6 +277,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="no-reuse: alternated rounds")
     ap.add_argument("--no-reuse-only", action="store_true", help="only the no-reuse throughput")
+    ap.add_argument("--workloads", default="rag-text,rag-chat,sys-timestamp,chat-edit",
+                    help="comma-separated: rag-text, rag-chat, sys-timestamp, chat-edit")
     args = ap.parse_args()
     print(describe(), flush=True)
     rng = random.Random(args.seed)
@@ -263,15 +289,24 @@ def main() -> None:
         print(f"no-reuse throughput, auto off / on: {off:.0f} / {on:.0f} tok/s (ratio {on / off:.3f})")
         return
     results = {}
+    todo = args.workloads.split(",")
     for name, chat in (("rag-text", False), ("rag-chat", True)):
+        if name not in todo:
+            continue
         order = list(range(len(POOL)))
         rng.shuffle(order)
         for k in range(0, len(POOL), 5):  # earlier traffic: each document seen once, in some context
             h.run(True, rag_prompt([POOL[j] for j in order[k : k + 5]], "Hello?", h.tok, chat)[0], None, 1)
         results[name] = measure(h, rag_requests(args.requests, rng, h.tok, chat), FORCED, name)
-    first, reqs = sys_requests(args.requests, rng)
-    h.run(True, first, None, 1)
-    results["sys-timestamp"] = measure(h, reqs, 32, "sys-timestamp")
+    if "sys-timestamp" in todo:
+        first, reqs = sys_requests(args.requests, rng)
+        h.run(True, first, None, 1)
+        results["sys-timestamp"] = measure(h, reqs, 32, "sys-timestamp")
+    if "chat-edit" in todo:
+        originals, reqs = edit_requests(args.requests, rng, h.tok)
+        for o in originals:  # each conversation was seen before its edit
+            h.run(True, o, None, 1)
+        results["chat-edit"] = measure(h, reqs, 32, "chat-edit")
     thr = no_reuse(h, args.rounds, 8, rng)
     print(table(results, thr))
     pairs = [(d, a, k) for s in results.values()
