@@ -10,8 +10,9 @@ From the two samples it reports:
   0.5 is no leak, 1.0 a perfect oracle;
 * **KS**: the two-sample Kolmogorov-Smirnov statistic and its p-value (as Gu et al. test
   providers), computed with numpy (scipy's exact value when scipy is installed);
-* **cached_tokens**: whether ``usage.prompt_tokens_details.cached_tokens`` is larger on true
-  probes than on wrong ones (a direct oracle);
+* **cached_tokens**: whether the prompt tokens reused (``usage.prompt_tokens_details``'s
+  ``cached_tokens``, plus ``segment_tokens`` and ``auto_reused_tokens`` where the server reports
+  them) are more on true probes than on wrong ones (a direct oracle);
 * **order**: true and wrong probes sent together; how often the true one answers first
   (longest-prefix-first scheduling reorders by cached length): 0.5 is no leak;
 * **miss reasons** (issue 23): every probe asks for ``usage.prompt_tokens_details.miss_reasons``;
@@ -23,6 +24,9 @@ A length *leaks* when AUC > ``--auc-threshold`` (0.6), the KS p-value < 0.01, ca
 differ, the miss-reason AUC exceeds the threshold or ``namespace`` is shown, or the order share
 exceeds 0.75. The command exits 1 when any length leaks. Prompts are
 token ids (``/v1/completions``), so lengths are exact whatever the tokenizer.
+
+``--head-tokens N`` puts N fresh random tokens before every secret and probe, so that no prefix
+match reaches the secret: it audits reuse at any position (``--segment-reuse auto``, issue 24).
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+REUSE_FIELDS = ("cached_tokens", "segment_tokens", "auto_reused_tokens")  # prompt tokens not computed
 VOCAB = (1000, 40000)  # token ids drawn from here: ordinary tokens of any recent vocabulary
 
 
@@ -50,6 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order-pairs", type=int, default=None, help="concurrent pairs for the order test "
                    "(default: probes // 4, at least 4; 0 skips it)")
     p.add_argument("--suffix", type=int, default=4, help="random tokens after each secret")
+    p.add_argument("--head-tokens", type=int, default=0, help="fresh random tokens before each secret and "
+                   "probe: audits reuse away from the prefix (--segment-reuse auto)")
     p.add_argument("--auc-threshold", type=float, default=0.6)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default="audit.png", help="where to save the TTFT plot ('' for none)")
@@ -142,10 +149,11 @@ class LengthResult:
 
 class Auditor:
     def __init__(self, url: str, attacker_key: str, victim_key: str, model: str | None = None,
-                 suffix: int = 4, seed: int = 0, prefix: list[int] | None = None) -> None:
+                 suffix: int = 4, seed: int = 0, prefix: list[int] | None = None, head: int = 0) -> None:
         """``prefix``: token ids sent before every secret and probe (e.g. an operator-registered
         public system prompt, to audit ``shared-public`` mode: the secret is the private text
-        after it, and the shared public head must not help the attacker)."""
+        after it, and the shared public head must not help the attacker); ``head``: fresh random
+        tokens after it, different in every request (see the module docstring)."""
         import openai
 
         base = url.rstrip("/") + "/v1"
@@ -154,13 +162,14 @@ class Auditor:
         self.model = model or self.attacker.models.list().data[0].id
         self.suffix = suffix
         self.prefix = list(prefix or [])
+        self.head = head
         self.rng = random.Random(seed)
 
     def tokens(self, n: int) -> list[int]:
         return [self.rng.randrange(*VOCAB) for _ in range(n)]
 
     def send(self, client, prompt: list[int]) -> Probe:
-        prompt = self.prefix + prompt
+        prompt = self.prefix + self.tokens(self.head) + prompt
         t0 = time.perf_counter()
         ttft, cached, misses = None, None, None
         stream = client.completions.create(model=self.model, prompt=prompt, max_tokens=1, temperature=0.0,
@@ -171,7 +180,8 @@ class Auditor:
                 ttft = time.perf_counter() - t0
             if chunk.usage is not None:
                 details = chunk.usage.prompt_tokens_details
-                cached = getattr(details, "cached_tokens", None) if details is not None else None
+                cached = (sum(getattr(details, f, None) or 0 for f in REUSE_FIELDS)
+                          if details is not None else None)
                 misses = getattr(details, "miss_reasons", None) if details is not None else None
         return Probe(ttft if ttft is not None else time.perf_counter() - t0, cached, misses)
 
@@ -261,7 +271,8 @@ def plot(results: list[LengthResult], path: str) -> None:
 def run(args: argparse.Namespace) -> int:
     lengths = [int(x) for x in str(args.lengths).split(",") if x.strip()]
     pairs = args.order_pairs if args.order_pairs is not None else max(4, args.probes // 4)
-    auditor = Auditor(args.url, args.attacker_key, args.victim_key, args.model, args.suffix, args.seed)
+    auditor = Auditor(args.url, args.attacker_key, args.victim_key, args.model, args.suffix, args.seed,
+                      head=args.head_tokens)
     results = auditor.run(lengths, args.probes, pairs)
     print(table(results, args.auc_threshold))
     if args.plot:

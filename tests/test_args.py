@@ -28,7 +28,7 @@ ENGINE_FLAGS = {
     "hash_algo": ["--hash-algo", "xxh3_128"], "verify_tokens": ["--verify-tokens"],
     "scheduling_policy": ["--scheduling-policy", "lpm"], "eviction_policy": ["--eviction-policy", "lru"],
     "num_threads": ["--num-threads", "3"], "adaptive_threads": ["--no-adaptive-threads"],
-    "segment_reuse": ["--segment-reuse", "blend"],
+    "segment_reuse": ["--segment-reuse", "auto"], "auto_reuse_max_drift": ["--auto-reuse-max-drift", "0.07"],
     "blend_ratio": ["--blend-ratio", "0.3"], "blend_threshold": ["--blend-threshold", "0.7"],
     "blend_check_layer": ["--blend-check-layer", "3"], "segment_cache_memory": ["--segment-cache-memory", "64M"],
     "segment_separator": ["--segment-separator", "<|doc|>"],

@@ -34,7 +34,7 @@ from .rope import rerotate
 from .select import choose
 from .store import SegmentKVStore
 
-MODES = ("off", "shift", "blend")
+MODES = ("off", "shift", "blend", "auto")  # auto: blend, and chunks found without markup (auto.py)
 SELECTIONS = ("deviation", "random")
 
 
@@ -46,6 +46,7 @@ class BlendOptions:
     check_layer: int = 2
     selection: str = "deviation"  # "random" is the baseline the scores must beat
     seed: int = 0
+    floor: float = 0.0  # with a ratio: never recompute a token whose deviation is at most this
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -67,6 +68,13 @@ class BlendResult:
     num_stored_tokens: int  # segment tokens computed here and added to the store
     num_recomputed_segment_tokens: int  # store hits recomputed anyway
     exact_until: int  # KV of positions below this equals a full prefill's
+    # Mean check-layer deviation score of the reused tokens kept (not recomputed): the cheap
+    # drift estimate the auto-reuse guard bounds (blend/guard.py); 0.0 when none was kept or
+    # nothing was scored (shift).
+    drift: float = 0.0
+    # The same deviations weighted by the last prompt token's attention to them at the check
+    # layer (sum over the kept tokens): how much of what the answer reads is off.
+    drift_attn: float = 0.0
 
 
 class Blender:
@@ -103,9 +111,9 @@ class Blender:
         reused = self._place(found, slots, start, n)
         reused[positions] = False
         pick = None
-        if opts.mode == "blend" and reused.any():
+        if opts.mode in ("blend", "auto") and reused.any():
             gen = torch.Generator().manual_seed(opts.seed)
-            pick = lambda s: choose(s, opts.ratio, opts.threshold, opts.selection == "random", gen)  # noqa: E731
+            pick = lambda s: choose(s, opts.ratio, opts.threshold, opts.selection == "random", gen, opts.floor)  # noqa: E731
         out = blend_forward(self.model, self.kv, ids, slots, start, reused, torch.tensor(positions), pick,
                             opts.check_layer)
         stored = 0
@@ -115,8 +123,11 @@ class Blender:
                 stored += span.num_tokens
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()
+        scored = out.deviation is not None and bool(kept.any())
+        drift = float(out.deviation[kept].mean()) if scored else 0.0
+        drift_attn = float((out.deviation * out.attention)[kept].sum()) if scored else 0.0
         return BlendResult(out.logits, int(kept.sum()), stored, int((reused & out.recomputed).sum()),
-                           int(inexact[0]) if inexact.numel() else n)
+                           int(inexact[0]) if inexact.numel() else n, drift, drift_attn)
 
     # ---- steps ---------------------------------------------------------------------------
     def _read(self, slots: torch.Tensor) -> torch.Tensor:

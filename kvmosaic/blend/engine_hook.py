@@ -10,9 +10,16 @@ pool cannot supply the blocks, the sequence simply continues as an ordinary (exa
 Blended KV is approximate, so it must never be served as an exact prefix hit: the sequence's
 ``cache_limit`` stops the prefix cache from indexing anything from the first token that kept
 moved KV on (everything before it, e.g. a head and segments seen for the first time, is exact).
+
+With ``segment_reuse="auto"`` (blend/auto.py) an unmarked prompt is looked up by its chunks on
+the step that admits it; one with enough found takes the blend path (then the guard), the rest
+run as ordinary prefills, and every prompt's chunks are stored once its KV is complete
+(:meth:`SegmentReuse.harvest`). With any other mode nothing here touches an unmarked prompt.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
@@ -20,14 +27,18 @@ from ..cache.segments import segment_seed
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from ..tiers import TierStack
+from .auto import AUTO_FLOOR, AutoReuse, rule_for
 from .blender import Blender, BlendOptions
 from .store import SegmentKVStore
+
+logger = logging.getLogger("kvmosaic.blend")
 
 
 class SegmentReuse:
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, config, model_fingerprint: str,
-                 tiers: TierStack | None = None) -> None:
-        """``tiers``: the engine's storage tiers, where stored segments also go (None: off)."""
+                 tiers: TierStack | None = None, tokenizer=None) -> None:
+        """``tiers``: the engine's storage tiers, where stored segments also go (None: off);
+        ``tokenizer``: its break tokens cut chunks for auto reuse (None: no auto reuse)."""
         if config.segment_reuse != "off" and not 1 <= config.blend_check_layer < model.config.num_layers:
             raise ValueError(f"blend_check_layer must be in [1, {model.config.num_layers}), "
                              f"got {config.blend_check_layer}")
@@ -37,14 +48,46 @@ class SegmentReuse:
                                     tiers, model_fingerprint, kv)
         self.blender = Blender(model, kv, self.store)
         self.selection = "deviation"  # "random": the baseline that deviation scores must beat
+        self._tokenizer, self._auto = tokenizer, None
+
+    @property
+    def auto(self) -> AutoReuse | None:
+        """Built on first use (reading the vocabulary's break tokens takes a moment)."""
+        if self._auto is None and self._tokenizer is not None:
+            self._auto = AutoReuse(self.blender, self.store, rule_for(self._tokenizer))
+        return self._auto
+
+    @property
+    def auto_stats(self):
+        """The auto-reuse counters (``AutoStats``), or None before auto reuse was ever used."""
+        return self._auto.stats if self._auto is not None else None
 
     @property
     def enabled(self) -> bool:
         return self.config.segment_reuse != "off"
 
+    @property
+    def auto_on(self) -> bool:
+        return self.config.segment_reuse == "auto" and self._tokenizer is not None
+
     def options(self) -> BlendOptions:
         c = self.config
-        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, self.selection)
+        floor = AUTO_FLOOR if c.segment_reuse == "auto" else 0.0
+        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, self.selection,
+                            floor=floor)
+
+    def _auto_candidate(self, s, cache) -> bool:
+        """Auto mode, on the step that admits an unmarked prompt: look its chunks up once."""
+        seq = s.seq
+        if not self.auto_on or seq.auto_checked or seq.output_token_ids:
+            return False
+        seq.auto_checked = True
+        start = seq.num_computed_tokens
+        spans = self.auto.plan(seq.all_token_ids, start, seq.cache_salt, seq.adapter_id)
+        if spans is None or cache.allocate_slots(seq, seq.num_tokens) is None:
+            return False
+        seq.auto_spans = spans
+        return True
 
     def split(self, batch: list, cache) -> tuple[list, list]:
         """Partition a step's (scheduled sequence, block table) pairs into (ordinary, blend).
@@ -53,6 +96,8 @@ class SegmentReuse:
         for s, table in batch:
             seq = s.seq
             if seq.segments is not None and cache.allocate_slots(seq, seq.num_tokens) is not None:
+                blend.append((s, table))
+            elif seq.segments is None and self._auto_candidate(s, cache):
                 blend.append((s, table))
             else:
                 seq.segments = None
@@ -80,10 +125,34 @@ class SegmentReuse:
                 ok.append(pair)
         return (torch.cat(rows) if rows else None), ok, failed
 
+    def harvest(self, batch: list, cache) -> None:
+        """Auto mode: store the chunks of every ordinary prompt whose prefill this step
+        completes (the runner has written its KV; ``num_computed_tokens`` is not advanced yet).
+        A failure costs the store those chunks, never the request."""
+        if not self.auto_on:
+            return
+        for s, table in batch:
+            seq = s.seq
+            n = seq.num_prompt_tokens
+            if not seq.num_computed_tokens < n <= seq.num_computed_tokens + s.num_new_tokens:
+                continue
+            try:
+                self.auto.harvest(seq.prompt_token_ids, self.kv.slots(table, n), seq.cache_salt, seq.adapter_id)
+            except Exception:  # noqa: BLE001 - storing is an optimisation
+                logger.exception("storing the chunks of request %s failed", seq.request_id)
+
     def _blend_one(self, s, cache, opts: BlendOptions) -> torch.Tensor:
         seq = s.seq
         slots = self.kv.slots(cache.block_table(seq.request_id), seq.num_tokens)
         start = seq.num_computed_tokens
+        if seq.auto_spans is not None:
+            spans, seq.auto_spans = seq.auto_spans, None
+            res = self.auto.prefill(seq.all_token_ids, spans, slots, start, opts, self.config.auto_reuse_max_drift,
+                                    seq.cache_salt, seq.adapter_id)
+            seq.num_auto_tokens, seq.auto_drift, seq.auto_fallback = res.num_reused_tokens, res.drift, res.fell_back
+            seq.cache_limit = max(start, res.exact_until)
+            s.num_new_tokens = seq.num_tokens - start
+            return res.logits
         res = self.blender.prefill(seq.all_token_ids, seq.segments, slots, start, opts,
                                    seq.cache_salt, seq.adapter_id)
         seq.num_segment_tokens = res.num_segment_tokens

@@ -35,6 +35,12 @@ Picker = Callable[[torch.Tensor], torch.Tensor]  # scores [R] -> chosen indices 
 class BlendOutput:
     logits: torch.Tensor  # [len(logits_positions), vocab] float32
     recomputed: torch.Tensor  # [N] bool: tokens whose KV was computed in this pass
+    # [N] float: each reused token's deviation score at the check layer (0 elsewhere); None
+    # when nothing was scored (``pick=None``)
+    deviation: torch.Tensor | None = None
+    # [N] float: the first logits position's attention over the context at the check layer
+    # (fresh KV, mean over heads; 0 past that position); None when nothing was scored
+    attention: torch.Tensor | None = None
 
 
 def _meta(slots: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> AttentionMetadata:
@@ -72,6 +78,7 @@ def blend_forward(
     x = model.embed_tokens(token_ids[start:].to(dev))
     rope = RopeAt.at(model.rotary, pos)
     layers = list(model.layers)
+    dev_full = attn_row = None
     if pick is None:
         sel = (~reused).nonzero().squeeze(1)
         first = 0
@@ -85,8 +92,11 @@ def blend_forward(
         r_slots = region_slots[r_idx]
         scores = deviation(k[r_idx], v[r_idx], kv.k[check_layer][r_slots], kv.v[check_layer][r_slots])
         chosen = r_idx[pick(scores).to(dev)]
+        dev_full = torch.zeros(n, dtype=torch.float32)
+        dev_full[(r_idx + start).cpu()] = scores.float().cpu()
         sel = torch.cat(((~reused).nonzero().squeeze(1), chosen)).sort().values
         kv.write(check_layer, region_slots, k, v)
+        attn_row = _attention_row(q, kv.k[check_layer], ctx_slots, int(logits_positions[0]), start, layer.scale)
         attn = paged_attention(q[sel], kv.k[check_layer], kv.v[check_layer],
                                _meta(region_slots[sel], pos[sel], ctx_slots), layer.scale)
         x = layer.finish(x[sel], attn)
@@ -101,4 +111,17 @@ def blend_forward(
     logits = model.compute_logits(x.index_select(0, where))
     recomputed = torch.zeros(n, dtype=torch.bool, device=dev)
     recomputed[pos[sel]] = True
-    return BlendOutput(logits, recomputed.cpu())
+    return BlendOutput(logits, recomputed.cpu(), dev_full, attn_row)
+
+
+def _attention_row(q: torch.Tensor, k_pool: torch.Tensor, ctx_slots: torch.Tensor, p: int, start: int,
+                   scale: float) -> torch.Tensor:
+    """Position ``p``'s attention weights over positions ``0..p`` (its query ``q[p - start]``
+    against the pool's keys), averaged over query heads; ``[N]`` on the CPU, 0 past ``p``."""
+    qp = q[p - start].float()  # [Hq, D]
+    keys = k_pool.index_select(0, ctx_slots[: p + 1]).float()  # [p+1, Hkv, D]
+    keys = keys.repeat_interleave(qp.shape[0] // keys.shape[1], dim=1)
+    w = torch.softmax(torch.einsum("hd,mhd->hm", qp, keys) * scale, dim=-1).mean(0)
+    out = torch.zeros(ctx_slots.numel(), dtype=torch.float32)
+    out[: p + 1] = w.cpu()
+    return out

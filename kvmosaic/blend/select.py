@@ -27,18 +27,23 @@ def choose(
     threshold: float | None = None,
     random: bool = False,
     generator: torch.Generator | None = None,
+    floor: float = 0.0,
 ) -> torch.Tensor:
     """Indices (sorted) of the tokens to recompute.
 
     ``threshold`` (when set) takes every token whose score exceeds it; otherwise ``ratio``
-    takes the ``ceil(ratio * n)`` highest. ``random`` picks the same number uniformly instead
-    (the baseline that shows what the scores are worth).
+    takes the ``ceil(ratio * n)`` highest, but none whose score is ``floor`` or less (their KV
+    is already as this context gives it: auto reuse at the same position, blend/auto.py).
+    ``random`` picks the same number uniformly instead (the baseline that shows what the scores
+    are worth).
     """
     n = scores.numel()
     if threshold is not None:
         count = int((scores > threshold).sum())
     else:
         count = min(n, math.ceil((ratio or 0.0) * n - 1e-9))
+        if floor > 0:
+            count = min(count, int((scores > floor).sum()))
     if count == 0:
         return torch.empty(0, dtype=torch.long)
     if random:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 PREFIX_CACHES = ("hash", "radix", "none")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
-SEGMENT_REUSE_MODES = ("off", "shift", "blend")
+SEGMENT_REUSE_MODES = ("off", "shift", "blend", "auto")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
 QUANTIZATION_CHOICES = ("int8",)
 
@@ -153,7 +153,12 @@ class EngineArgs(CliArgs):
     adaptive_threads: bool = option(True, "CPU: run each step on the cores other processes leave free, at most "
                                           "--num-threads (--no-adaptive-threads: always all of them)")
     segment_reuse: str = option("off", "reuse the KV of marked segments at any position (completions' "
-                                       "`segments` field)", choices=SEGMENT_REUSE_MODES)
+                                       "`segments` field); auto: blend, and also find shared chunks of any "
+                                       "prompt without markup (kvmosaic/blend/auto.py)", choices=SEGMENT_REUSE_MODES)
+    auto_reuse_max_drift: float = option(0.03, "auto: a request whose drift estimate (mean check-layer deviation "
+                                               "of the reused tokens kept; about the mean KL to full prefill, "
+                                               "BENCHMARKS.md) exceeds this is recomputed from its first reused "
+                                               "token (the guard)", type=float)
     blend_ratio: float = option(0.15, "blend: fraction of reused segment tokens recomputed")
     blend_threshold: float | None = option(None, "blend: recompute tokens deviating more (overrides the ratio)",
                                            type=float)

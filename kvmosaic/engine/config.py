@@ -53,6 +53,8 @@ class EngineConfig(EngineArgs):
         from ..blend.blender import BlendOptions  # validates the segment reuse fields
 
         BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer)
+        if not self.auto_reuse_max_drift >= 0:
+            raise ValueError(f"auto_reuse_max_drift must be non-negative, got {self.auto_reuse_max_drift}")
         if self.kv_tiers:
             from ..tiers.spec import parse_tier_spec
 

@@ -82,6 +82,11 @@ class EngineStats:
     lens: dict = field(default_factory=dict)
     # Sampled KV block residency histograms (cache/residency.py); {} when off.
     kv_residency: dict = field(default_factory=dict)
+    # Automatic segment reuse (blend/auto.py): requests answered from reused chunks, tokens
+    # reused, guard fallbacks.
+    auto_reuse_requests: int = 0
+    auto_reuse_tokens: int = 0
+    auto_reuse_fallbacks: int = 0
 
 
 @dataclass(frozen=True)
@@ -183,7 +188,7 @@ class LLMEngine:
         self.scheduler.lens = self.lens
         self.runner = ModelRunner(self.model, self.kv, cascade=config.cascade_attention)
         self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint,
-                                          self.tiers.stack if self.tiers is not None else None)
+                                          self.tiers.stack if self.tiers is not None else None, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, num_blocks,
                                      config.block_size, config.segment_separator)
         self.outputs = OutputProcessor(self.tokenizer, self.tokenizer.eos_token_id, self.max_model_len,
@@ -317,6 +322,7 @@ class LLMEngine:
         # Segment reuse: one blend forward per newly admitted segmented prompt.
         batch, blend = self.segment_reuse.split(batch, self.cache)
         result = self.runner.execute(batch) if batch else None
+        self.segment_reuse.harvest(batch, self.cache)  # auto: chunks of the prompts completed here
         if not blend:
             return result
         # A blend that raises fails its request alone (issue 14): it leaves the step uncommitted.
@@ -436,6 +442,7 @@ class LLMEngine:
             kv_tiers=self.tiers.stats() if self.tiers is not None else {},
             lens=self.lens.snapshot(self.scheduler.running) if self.lens is not None else {},
             kv_residency=self.pool.residency.snapshot() if self.pool.residency is not None else {},
+            **self._auto_stats(),
             **self._slot_usage(),
         )
 
@@ -445,6 +452,13 @@ class LLMEngine:
         held = (self.cache.held_pages(request_id) if self.kv_layout.hybrid
                 else self.cache.block_table(request_id))
         return len(held) * self.kv.page_bytes
+
+    def _auto_stats(self) -> dict[str, int]:
+        st = self.segment_reuse.auto_stats
+        if st is None:
+            return {}
+        return {"auto_reuse_requests": st.requests, "auto_reuse_tokens": st.tokens,
+                "auto_reuse_fallbacks": st.fallbacks}
 
     def _slot_usage(self) -> dict[str, int]:
         """Slots of the blocks running requests hold, and how many hold a computed token (a

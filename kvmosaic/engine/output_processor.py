@@ -27,6 +27,10 @@ class RequestOutput:
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
     num_segment_tokens: int = 0
+    # Automatic segment reuse (segment_reuse="auto"): None when the engine did not look for
+    # chunks; else {"tokens": reused tokens kept, "drift": the guard's estimate (None when
+    # nothing was found), "fallback": whether the guard recomputed the uncertain part}.
+    auto_reuse: dict | None = None
     metrics: dict = field(default_factory=dict)
     # Set when the request failed (``finish_reason == "error"``): what went wrong, and a
     # short reason for metrics ("sampling", "output_processing", "step").
@@ -41,7 +45,8 @@ class RequestOutput:
     @property
     def num_computed_tokens(self) -> int:
         """Prompt tokens this request actually prefilled."""
-        return len(self.prompt_token_ids) - self.num_cached_tokens - self.num_segment_tokens
+        auto = self.auto_reuse["tokens"] if self.auto_reuse else 0
+        return len(self.prompt_token_ids) - self.num_cached_tokens - self.num_segment_tokens - auto
 
 
 class InjectedFault(RuntimeError):
@@ -99,6 +104,8 @@ class OutputProcessor:
             token_ids=list(seq.output_token_ids),
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_segment_tokens=seq.num_segment_tokens,
+            auto_reuse=({"tokens": seq.num_auto_tokens, "drift": seq.auto_drift, "fallback": seq.auto_fallback}
+                        if seq.auto_checked else None),
             finished=seq.finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,

@@ -58,6 +58,14 @@ class Sequence:
     segments: tuple | None = None
     num_segment_tokens: int = 0
     cache_limit: int | None = None
+    # Automatic segment reuse (segment_reuse="auto", blend/auto.py): whether the engine looked
+    # for stored chunks (once, on the step that admits it), the chunks it found (to blend),
+    # tokens reused from them, the drift estimate and whether the guard fell back.
+    auto_checked: bool = False
+    auto_spans: tuple | None = None
+    num_auto_tokens: int = 0
+    auto_drift: float | None = None
+    auto_fallback: bool = False
     # Storage tiers: how many tokens came from tiers on admission (the loads themselves are
     # the scheduler's tier connector's state, kvmosaic/kv/connector.py).
     num_tier_tokens: int = 0

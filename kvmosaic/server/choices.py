@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator
 
 from ..engine.output_processor import RequestOutput
 from .async_engine import RequestStream
+from .responses import auto_details
 
 _DONE = object()
 
@@ -68,4 +69,14 @@ def usage(outs: list[RequestOutput | None], miss_reasons: bool = False) -> dict:
                 reasons[k] = reasons.get(k, 0) + v
         details["miss_reasons"] = reasons
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": details}
+            "prompt_tokens_details": {**details, **_auto(firsts)}}
+
+
+def _auto(firsts: list[RequestOutput]) -> dict:
+    """Auto-reuse fields over several prompts: tokens summed, the largest drift, any fallback."""
+    autos = [o.auto_reuse for o in firsts if o.auto_reuse is not None]
+    if not autos:
+        return {}
+    drifts = [a["drift"] for a in autos if a["drift"] is not None]
+    return auto_details({"tokens": sum(a["tokens"] for a in autos), "drift": max(drifts) if drifts else None,
+                         "fallback": any(a["fallback"] for a in autos)})

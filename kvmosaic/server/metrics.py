@@ -78,6 +78,12 @@ class EngineCollector(Collector):
                     st.num_cached_blocks)
         yield counter("kv_events_dropped", "Cache events dropped before publishing (a subscriber sees a gap).",
                       st.num_events_dropped)
+        yield counter("auto_reuse_requests", "Requests answered with KV of chunks found automatically "
+                      "(--segment-reuse auto).", getattr(st, "auto_reuse_requests", 0))
+        yield counter("auto_reuse_tokens", "Prompt tokens whose KV came from chunks found automatically.",
+                      getattr(st, "auto_reuse_tokens", 0))
+        yield counter("auto_reuse_fallbacks", "Requests whose drift estimate exceeded --auto-reuse-max-drift: "
+                      "recomputed from the first reused token.", getattr(st, "auto_reuse_fallbacks", 0))
         yield from tier_metrics(getattr(st, "kv_tiers", None) or {}, self.model_name)
 
 

@@ -2,7 +2,10 @@
 
 ``usage.prompt_tokens_details.cached_tokens`` is in every usage object: the prompt tokens
 whose KV came from the prefix cache instead of being computed; ``segment_tokens`` (a
-kvmosaic extension) counts those reused from stored segments at other positions.
+kvmosaic extension) counts those reused from stored segments at other positions. With
+``segment_reuse="auto"`` three more: ``auto_reused_tokens`` (prompt tokens whose KV came from
+chunks found automatically, not recomputed), ``auto_reuse_drift`` (the guard's drift estimate,
+null when no chunk was found) and ``auto_reuse_fallback`` (the guard recomputed the reused part).
 """
 
 from __future__ import annotations
@@ -14,11 +17,19 @@ from ..engine.output_processor import RequestOutput
 Decode = Callable[[int], str]
 
 
+def auto_details(auto: dict | None) -> dict:
+    """The auto-reuse fields of ``prompt_tokens_details`` ({} when auto reuse was off)."""
+    if auto is None:
+        return {}
+    return {"auto_reused_tokens": auto["tokens"], "auto_reuse_drift": auto["drift"],
+            "auto_reuse_fallback": auto["fallback"]}
+
+
 def usage(out: RequestOutput) -> dict:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": out.num_cached_tokens,
-                                      "segment_tokens": out.num_segment_tokens}}
+                                      "segment_tokens": out.num_segment_tokens, **auto_details(out.auto_reuse)}}
 
 
 class TextDelta:

@@ -1,0 +1,326 @@
+"""Reuse that finds itself (issue 24): ``segment_reuse="auto"`` on workloads nobody marked.
+
+Workloads (plain prompts, no ``segments`` field, no separator):
+
+* ``rag-text``: a system line, 5 of 20 documents in random order (blank lines between them) and a
+  question whose answer is a fact in one of them; ``rag-chat``: the same in chat form (system
+  and user messages through the model's template);
+* ``sys-timestamp``: a ~2,000-token system prompt whose first line is a timestamp that changes
+  on every request, then a short question;
+* ``chat-edit``: multi-turn chats (3 user turns, 2 answers) resent with the name in the first
+  user message changed (the original was seen before; prefix caching stops at the edit);
+* ``no-reuse``: distinct random prompts, batched, to measure what ``auto`` costs when nothing
+  is found (throughput with auto on / off, alternated).
+
+Per request and mode (full prefill; prefix caching alone; auto), as ``blend_quality`` measures:
+TTFT through the engine with the caches as the mode would find them (the system prompt, or the
+first request of sys-timestamp, prefix-cached; auto's chunk index fed by every earlier request
+and a warm-up pass), KL to full prefill at the first answer token and mean teacher-forced KL over
+16 tokens (same slots, the engine's own blend + guard code), greedy agreement, answer accuracy,
+and auto's reused tokens, drift estimate and guard fallbacks.
+
+Run: ``python -m benchmarks.auto_reuse`` (``--requests``, ``--ratio``, ``--max-drift``, ``--seed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvmosaic.bench.machine import describe
+from kvmosaic.bench.text import paragraph
+from kvmosaic.blend.auto import AUTO_FLOOR
+from kvmosaic.blend.blender import BlendOptions
+from kvmosaic.blend.guard import guard
+from kvmosaic.cache.manager import PlainRequest
+from kvmosaic.engine.llm import LLM
+from kvmosaic.engine.sampling_params import SamplingParams
+
+from .blend_quality import DOCS, QUESTIONS, kl
+
+SYSTEM = "You answer questions using only the documents the user gives you."
+FORCED = 16
+
+
+def document_pool() -> list[str]:
+    """20 documents: each of blend_quality's 5 long documents cut into 4 parts."""
+    pool = []
+    for d, doc in enumerate(DOCS):
+        sentences = doc.split(". ")
+        step = -(-len(sentences) // 4)
+        for p in range(4):
+            part = ". ".join(sentences[p * step : (p + 1) * step]).rstrip(".") + "."
+            pool.append(f"Document {d * 4 + p + 1}. {part.split('. ', 1)[1] if p == 0 else part}")
+    return pool
+
+
+POOL = document_pool()
+
+
+def doc_with(answer: str) -> int:
+    return next(i for i, d in enumerate(POOL) if answer in d)
+
+
+@dataclass
+class Req:
+    prompt: str
+    warm: str  # what the prefix cache holds before it (the system part, or an earlier prompt)
+    answer: str | None
+    docs: list[str] = field(default_factory=list)
+
+
+def rag_requests(n: int, rng: random.Random, tok, chat: bool) -> list[Req]:
+    out = []
+    for i in range(n):
+        question, answer = QUESTIONS[i % len(QUESTIONS)]
+        must = doc_with(answer)
+        picks = [must] + rng.sample([j for j in range(len(POOL)) if j != must], 4)
+        rng.shuffle(picks)
+        docs = [POOL[j] for j in picks]
+        prompt, warm = rag_prompt(docs, question, tok, chat)
+        out.append(Req(prompt, warm, answer, docs))
+    return out
+
+
+def rag_prompt(docs: list[str], question: str, tok, chat: bool) -> tuple[str, str]:
+    """(prompt, its system part) with plain documents: no markup, blank lines between them."""
+    body = "\n\n".join(docs) + f"\n\nQuestion: {question}"
+    if chat:
+        msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": body}]
+        return (tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
+                tok.apply_chat_template(msgs[:1], tokenize=False))
+    warm = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
+    return warm + body + "<|im_end|>\n<|im_start|>assistant\n", warm
+
+
+def sys_prompt(stamp: str, rng_seed: int = 7) -> str:
+    rng = random.Random(rng_seed)  # the same policy text every time; only the stamp changes
+    paras = "\n\n".join(paragraph(rng, 95) for _ in range(16))
+    return f"<|im_start|>system\nCurrent time: {stamp}. You are the assistant of a tile shop.\n\n{paras}<|im_end|>\n"
+
+
+def sys_requests(n: int, rng: random.Random) -> tuple[str, list[Req]]:
+    def stamp() -> str:
+        return f"2026-11-{rng.randrange(1, 29):02d} {rng.randrange(24):02d}:{rng.randrange(60):02d}:{rng.randrange(60):02d}"
+
+    def user(q: str) -> str:
+        return f"<|im_start|>user\n{q}<|im_end|>\n<|im_start|>assistant\n"
+
+    first = sys_prompt(stamp()) + user("Hello.")
+    qs = ["Do you deliver large parcels?", "How do refunds work?", "When are gift cards confirmed?",
+          "Can I rent tools?", "Who approves trade discounts?", "Do you pack sample tiles?"]
+    out = []
+    for i in range(n):
+        system = sys_prompt(stamp())
+        out.append(Req(system + user(qs[i % len(qs)]), first, None, [system]))  # "docs": the system prompt
+    return first, out
+
+
+def edit_requests(n: int, rng: random.Random, tok) -> tuple[list[str], list[Req]]:
+    """Multi-turn chats (3 user turns, 2 answers) whose first user message is edited (the name in
+    it changes): (the originals, the edited requests, each warmed by its original)."""
+    names = ["Ada", "Bruno", "Chen", "Dara", "Emil", "Farah", "Goran", "Hana"]
+    originals, out = [], []
+    for _ in range(n):
+        turns = [paragraph(rng, 60), paragraph(rng, 90), paragraph(rng, 60), paragraph(rng, 90)]
+        a, b = rng.sample(names, 2)
+
+        def chat(name: str, turns: list[str] = turns) -> str:
+            msgs = [{"role": "system", "content": "You are the assistant of a tile shop."},
+                    {"role": "user", "content": f"Hello, my name is {name}. {turns[0]}"},
+                    {"role": "assistant", "content": turns[1]}, {"role": "user", "content": turns[2]},
+                    {"role": "assistant", "content": turns[3]},
+                    {"role": "user", "content": "Which of this applies to my order?"}]
+            return tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+
+        originals.append(chat(a))
+        out.append(Req(chat(b), chat(a), None, [turns[1], turns[2], turns[3]]))
+    return originals, out
+
+
+class Harness:
+    def __init__(self, dtype: str, ratio: float, max_drift: float) -> None:
+        self.llm = LLM(dtype=dtype, num_kv_blocks=2048, segment_cache_memory=2 << 30, segment_reuse="auto",
+                       blend_ratio=ratio, auto_reuse_max_drift=max_drift)
+        self.engine, self.tok = self.llm.engine, self.llm.tokenizer
+        self.opts = BlendOptions("auto", ratio, floor=AUTO_FLOOR)
+
+    def ids(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False)
+
+    def run(self, auto: bool, prompt: str, warm: str | None, max_tokens: int):
+        """One request through the engine, the prefix cache holding ``warm`` only."""
+        e = self.engine
+        e.reset_prefix_cache()
+        e.config.segment_reuse = "off"  # the warm part computed in full, as when it was first seen
+        if warm:
+            self.llm.generate({"prompt_token_ids": self.ids(warm)}, SamplingParams(max_tokens=1))
+        e.config.segment_reuse = "auto" if auto else "off"
+        return self.llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+
+    def forced(self, auto: bool, prompt: str, warm: str, answer: list[int]):
+        """Log-probabilities at the answer's positions (answer forced), as the engine would
+        compute them: the prefix hit first, then (auto) the chunks found, blended and guarded."""
+        e, sr = self.engine, self.engine.segment_reuse
+        e.reset_prefix_cache()
+        e.config.segment_reuse = "off"
+        self.llm.generate({"prompt_token_ids": self.ids(warm)}, SamplingParams(max_tokens=1))
+        p_ids = self.ids(prompt)
+        ids = p_ids + answer[:-1]
+        fake = PlainRequest(f"forced-{time.monotonic_ns()}", ids)
+        match = e.cache.match_prefix(fake)
+        start = min(match.num_tokens, len(p_ids) - 1)
+        table = e.cache.allocate_slots(fake, len(ids), match)
+        positions = list(range(len(p_ids) - 1, len(ids)))
+        try:
+            slots = e.kv.slots(table, len(ids))
+            spans = (sr.auto.plan(p_ids, start, None, None) or ()) if auto else ()
+            res = sr.blender.prefill(ids, spans, slots, start, self.opts, logits_positions=positions)
+            verdict = guard(e.model, e.kv, ids, slots, res, e.config.auto_reuse_max_drift, positions)
+        finally:
+            e.cache.free(fake)
+        return torch.log_softmax(verdict.logits.float(), -1), verdict, res
+
+
+@dataclass
+class Stats:
+    rows: dict = field(default_factory=dict)
+
+    def add(self, **kv) -> None:
+        for k, v in kv.items():
+            self.rows.setdefault(k, []).append(v)
+
+    def mean(self, k: str) -> float:
+        return statistics.mean(self.rows[k]) if self.rows.get(k) else float("nan")
+
+    def median(self, k: str) -> float:
+        return statistics.median(self.rows[k]) if self.rows.get(k) else float("nan")
+
+
+def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
+    st = Stats()
+    for i, r in enumerate(reqs):
+        full = h.run(False, r.prompt, None, max_tokens)
+        ref_lp, _, _ = h.forced(False, r.prompt, r.warm, full.token_ids[:FORCED])
+        lp, verdict, res = h.forced(True, r.prompt, r.warm, full.token_ids[:FORCED])
+        k = kl(ref_lp, lp)
+        prefix = h.run(False, r.prompt, r.warm, max_tokens)
+        auto = h.run(True, r.prompt, r.warm, max_tokens)
+        a = auto.auto_reuse or {"tokens": 0, "drift": None, "fallback": False}
+        doc_tokens = sum(len(h.ids(d)) for d in r.docs)
+        st.add(ttft_full=full.metrics["ttft"], ttft_prefix=prefix.metrics["ttft"], ttft_auto=auto.metrics["ttft"],
+               kl_first=float(k[0]), kl_mean=float(k.mean()),
+               agree_tokens=sum(x == y for x, y in zip(auto.token_ids, full.token_ids)) / len(full.token_ids),
+               agree_all=float(auto.token_ids == full.token_ids),
+               reused=a["tokens"], prompt=len(auto.prompt_token_ids), cached=auto.num_cached_tokens,
+               doc_share=a["tokens"] / doc_tokens if doc_tokens else float("nan"),
+               fallback=float(a["fallback"]), drift=a["drift"] if a["drift"] is not None else 0.0,
+               forced_drift=res.drift, forced_drift_attn=res.drift_attn, forced_fallback=float(verdict.fell_back),
+               bad_answered=float(not verdict.fell_back and verdict.num_reused_tokens > 0
+                                  and float(k.mean()) > h.engine.config.auto_reuse_max_drift),
+               acc_full=float(r.answer.lower() in full.text.lower()) if r.answer else float("nan"),
+               acc_auto=float(r.answer.lower() in auto.text.lower()) if r.answer else float("nan"))
+        print(f"{label} {i + 1}/{len(reqs)}: prompt {len(auto.prompt_token_ids)}, prefix hit {prefix.num_cached_tokens}, "
+              f"auto reused {a['tokens']} (drift {a['drift']}, fallback {a['fallback']}), KL mean {float(k.mean()):.4f} "
+              f"(forced: drift {res.drift:.4f}, attention-weighted {res.drift_attn:.5f}), "
+              f"TTFT full/prefix/auto {full.metrics['ttft']:.2f}/{prefix.metrics['ttft']:.2f}/"
+              f"{auto.metrics['ttft']:.2f} s", flush=True)
+    return st
+
+
+def no_reuse(h: Harness, rounds: int, batch: int, rng: random.Random) -> tuple[float, float]:
+    """Throughput (prompt + generated tokens / s) with auto off and on, alternated; medians."""
+    tps = {False: [], True: []}
+    for _ in range(rounds):
+        for auto in (False, True):
+            prompts = [paragraph(rng, 220) for _ in range(batch)]
+            h.engine.reset_prefix_cache()
+            h.engine.config.segment_reuse = "auto" if auto else "off"
+            t = time.perf_counter()
+            outs = h.llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+            dt = time.perf_counter() - t
+            assert all((o.auto_reuse or {"tokens": 0})["tokens"] == 0 for o in outs)
+            tps[auto].append(sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs) / dt)
+    return statistics.median(tps[False]), statistics.median(tps[True])
+
+
+def table(results: dict[str, Stats], thr: tuple[float, float]) -> str:
+    lines = ["| workload | requests | prompt tokens (mean) | prefix hit (mean) | auto reused (mean) | doc tokens reused "
+             "| TTFT full / prefix / auto, s (p50) | auto vs prefix | KL first / mean | greedy agreement (tokens; "
+             "requests all equal) | accuracy full / auto | fallbacks | drift est. (mean) | answered from reuse "
+             "with KL mean > the bound |", "|" + "---|" * 14]
+    for name, s in results.items():
+        n = len(s.rows["kl_mean"])
+        lines.append(
+            f"| {name} | {n} | {s.mean('prompt'):.0f} | {s.mean('cached'):.0f} | {s.mean('reused'):.0f} | "
+            f"{s.mean('doc_share'):.0%} | {s.median('ttft_full'):.2f} / {s.median('ttft_prefix'):.2f} / "
+            f"{s.median('ttft_auto'):.2f} | {s.median('ttft_prefix') / s.median('ttft_auto'):.2f}x | "
+            f"{s.mean('kl_first'):.4f} / {s.mean('kl_mean'):.4f} | {s.mean('agree_tokens'):.2f}; "
+            f"{s.mean('agree_all'):.0%} | {s.mean('acc_full'):.2f} / {s.mean('acc_auto'):.2f} | "
+            f"{sum(s.rows['fallback']):.0f} | {s.mean('drift'):.4f} | {sum(s.rows['bad_answered']):.0f} |")
+    off, on = thr
+    lines.append(f"\nno-reuse throughput, auto off / on: {off:.0f} / {on:.0f} tok/s (ratio {on / off:.3f})")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=8, help="measured requests per workload")
+    ap.add_argument("--ratio", type=float, default=0.15, help="blend_ratio")
+    ap.add_argument("--max-drift", type=float, default=0.03, help="auto_reuse_max_drift (the guard's bound)")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=3, help="no-reuse: alternated rounds")
+    ap.add_argument("--no-reuse-only", action="store_true", help="only the no-reuse throughput")
+    ap.add_argument("--workloads", default="rag-text,rag-chat,sys-timestamp,chat-edit",
+                    help="comma-separated: rag-text, rag-chat, sys-timestamp, chat-edit")
+    args = ap.parse_args()
+    print(describe(), flush=True)
+    rng = random.Random(args.seed)
+    h = Harness(args.dtype, args.ratio, args.max_drift)
+    if args.no_reuse_only:
+        h.engine.segment_reuse.auto  # noqa: B018 - build the chunk rule before timing
+        off, on = no_reuse(h, args.rounds, 8, rng)
+        print(f"no-reuse throughput, auto off / on: {off:.0f} / {on:.0f} tok/s (ratio {on / off:.3f})")
+        return
+    results = {}
+    todo = args.workloads.split(",")
+    for name, chat in (("rag-text", False), ("rag-chat", True)):
+        if name not in todo:
+            continue
+        order = list(range(len(POOL)))
+        rng.shuffle(order)
+        for k in range(0, len(POOL), 5):  # earlier traffic: each document seen once, in some context
+            h.run(True, rag_prompt([POOL[j] for j in order[k : k + 5]], "Hello?", h.tok, chat)[0], None, 1)
+        results[name] = measure(h, rag_requests(args.requests, rng, h.tok, chat), FORCED, name)
+    if "sys-timestamp" in todo:
+        first, reqs = sys_requests(args.requests, rng)
+        h.run(True, first, None, 1)
+        results["sys-timestamp"] = measure(h, reqs, 32, "sys-timestamp")
+    if "chat-edit" in todo:
+        originals, reqs = edit_requests(args.requests, rng, h.tok)
+        for o in originals:  # each conversation was seen before its edit
+            h.run(True, o, None, 1)
+        results["chat-edit"] = measure(h, reqs, 32, "chat-edit")
+    thr = no_reuse(h, args.rounds, 8, rng)
+    print(table(results, thr))
+    pairs = [(d, a, k) for s in results.values()
+             for d, a, k in zip(s.rows["forced_drift"], s.rows["forced_drift_attn"], s.rows["kl_mean"])]
+    print("drift estimate against KL mean (Spearman): mean deviation "
+          f"{spearman([p[0] for p in pairs], [p[2] for p in pairs]):.2f}, attention-weighted "
+          f"{spearman([p[1] for p in pairs], [p[2] for p in pairs]):.2f}")
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    rx = torch.tensor(x).argsort().argsort().float()
+    ry = torch.tensor(y).argsort().argsort().float()
+    return float(torch.corrcoef(torch.stack((rx, ry)))[0, 1])
+
+
+if __name__ == "__main__":
+    main()

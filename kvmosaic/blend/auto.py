@@ -1,0 +1,122 @@
+"""Automatic segment reuse (``segment_reuse="auto"``, issue 24): shared content found in any
+prompt, with no markup.
+
+* **Chunks.** Every prompt is cut into content-defined chunks (``cache/chunking.py``: a
+  rolling hash over token ids, hard cuts after chat-template special tokens and blank lines),
+  so the same text chunks the same way wherever it appears.
+* **Index, fed by every prefill.** When a prompt's KV is complete (an ordinary prefill's
+  last chunk, or a blend), each chunk of at least :data:`MIN_CHUNK` tokens that the segment
+  store lacks is copied from the pool into it, keyed by (namespace, model, dtype, tokens):
+  the store of marked segments (``blend/store.py``; so chunks live in the tiers as segments
+  do, and a cache salt keeps tenants apart there as everywhere).
+* **Lookup.** A newly admitted prompt takes its prefix hit first; then every chunk that starts
+  at or after the hit and is in the store is a candidate. With at least :data:`MIN_REUSE`
+  tokens found, the prompt is blended (``Blender.prefill``: moved by RoPE, the most deviating
+  tokens recomputed); otherwise it runs as an ordinary prefill, bit for bit as with auto off.
+  A prompt that differs from a cached one early (a timestamp) is the same mechanism at shift
+  0: its later chunks are found at their own positions and repaired (item 2).
+* **Guard.** ``blend/guard.py`` bounds the drift estimate per request and falls back to a
+  full prefill of the uncertain part.
+
+Invariants: nothing is stored or looked up across namespaces (the store's key holds the cache
+salt and adapter); chunks are stored only from KV this engine computed for them (exact, or
+computed in full beside reused neighbours, as CacheBlend stores segments), never from KV that
+was itself reused; a prompt with marked segments is left to the marked path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..cache.chunking import ChunkRule, break_tokens, chunk_spans
+from .blender import Blender, BlendOptions
+from .guard import guard
+from .prompt import SegmentSpan
+from .store import SegmentKVStore
+
+MIN_CHUNK = 8  # chunks shorter than this are neither stored nor looked up
+MIN_REUSE = 32  # found tokens below which a prompt is an ordinary prefill
+# Reused tokens deviating at most this at the check layer are never recomputed (BlendOptions.floor):
+# a chunk found at its own position behind a small edit (a timestamp) deviates ~1e-4 past the
+# first tokens after the edit, a reordered document ~1e-2 (benchmarks/auto_reuse.py).
+AUTO_FLOOR = 0.005
+
+
+def rule_for(tokenizer) -> ChunkRule:
+    """The chunk rule for a tokenizer: its special tokens and newline tokens are the breaks."""
+    specials = set(getattr(tokenizer, "all_special_ids", []) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    specials.update(i for i, tok in added.items() if getattr(tok, "special", False))
+    ids = sorted(set(tokenizer.get_vocab().values()))
+    texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
+    hard, soft = break_tokens(dict(zip(ids, texts)), specials)
+    return ChunkRule(hard=hard, soft=soft)
+
+
+@dataclass
+class AutoStats:
+    requests: int = 0  # prompts answered with automatically reused KV
+    tokens: int = 0  # reused tokens kept in those prompts' KV
+    fallbacks: int = 0  # prompts the guard sent back to a full prefill of the uncertain part
+    stored_chunks: int = 0
+
+
+@dataclass(frozen=True)
+class AutoResult:
+    logits: torch.Tensor
+    num_reused_tokens: int
+    drift: float
+    fell_back: bool
+    exact_until: int
+
+
+class AutoReuse:
+    def __init__(self, blender: Blender, store: SegmentKVStore, rule: ChunkRule) -> None:
+        self.blender, self.store, self.rule = blender, store, rule
+        self.stats = AutoStats()
+
+    def chunks(self, token_ids: list[int]) -> list[SegmentSpan]:
+        """The prompt's chunks of at least :data:`MIN_CHUNK` tokens."""
+        return [SegmentSpan(a, b) for a, b in chunk_spans(token_ids, self.rule) if b - a >= MIN_CHUNK]
+
+    def plan(self, token_ids: list[int], start: int, salt: str | None,
+             adapter: str | None) -> tuple[SegmentSpan, ...] | None:
+        """The stored chunks at or after ``start`` (the prefix hit) worth blending, or None."""
+        found = tuple(c for c in self.chunks(token_ids)
+                      if c.start >= start and c.end < len(token_ids)
+                      and self.store.get(token_ids[c.start : c.end], salt, adapter) is not None)
+        return found if sum(c.num_tokens for c in found) >= MIN_REUSE else None
+
+    def prefill(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
+                opts: BlendOptions, bound: float, salt: str | None, adapter: str | None) -> AutoResult:
+        """Blend ``spans`` (from :meth:`plan`) into the prompt, guard, store the new chunks."""
+        last = [len(token_ids) - 1]
+        res = self.blender.prefill(token_ids, spans, slots, start, opts, salt, adapter, last)
+        verdict = guard(self.blender.model, self.blender.kv, token_ids, slots, res, bound, last)
+        if verdict.fell_back:
+            self.stats.fallbacks += 1
+        elif verdict.num_reused_tokens:
+            self.stats.requests += 1
+            self.stats.tokens += verdict.num_reused_tokens
+        self.harvest(token_ids, slots, salt, adapter)
+        return AutoResult(verdict.logits, verdict.num_reused_tokens, verdict.drift, verdict.fell_back,
+                          verdict.exact_until)
+
+    def harvest(self, token_ids: list[int], slots: torch.Tensor, salt: str | None, adapter: str | None) -> int:
+        """Store the chunks of a prompt whose KV is complete at ``slots`` that the store lacks
+        (one gather from the pool for all of them); returns how many were stored."""
+        missing = [(c, self.store.key(token_ids[c.start : c.end], salt, adapter)) for c in self.chunks(token_ids)]
+        missing = [(c, k) for c, k in missing if k not in self.store.index]
+        if not missing:
+            return 0
+        idx = torch.cat([torch.arange(c.start, c.end) for c, _ in missing])
+        kvt = self.blender._read(slots[idx])
+        stored, at = 0, 0
+        for c, _ in missing:
+            part = kvt[:, :, at : at + c.num_tokens]
+            at += c.num_tokens
+            stored += self.store.put(token_ids[c.start : c.end], salt, adapter, c.start, part)
+        self.stats.stored_chunks += stored
+        return stored

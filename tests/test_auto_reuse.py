@@ -1,0 +1,150 @@
+"""Automatic segment reuse through the engine (segment_reuse="auto", issue 24; float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmosaic.engine.llm import LLM
+from kvmosaic.engine.sampling_params import SamplingParams
+
+HEAD = "<|im_start|>system\nAnswer from the documents.<|im_end|>\n<|im_start|>user\n"
+DOCS = [
+    "Document: The capital of Zorbia is Quentol, a city of copper roofs and narrow canals where boats carry "
+    "fruit, wool and salt to the markets every morning, and the bells of the old tower ring at noon.",
+    "Document: Marla keeps seven blue goats on her farm near the Vesk river, milks them at dawn and sells the "
+    "cheese at the Saturday market, where her stall is the one with the striped green awning.",
+    "Document: The vault under the old library opens with the code 4821, which only the two archivists know, "
+    "and it holds maps, letters and a herbal guide older than the library itself.",
+]
+QUESTION = "What is the vault code?"
+GREEDY = SamplingParams(max_tokens=6, temperature=0, logprobs=8)
+
+
+def text(docs, question=QUESTION, head=HEAD) -> str:
+    return head + "\n\n".join(docs) + "\n\nQuestion: " + question + "<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", num_kv_blocks=256, segment_cache_memory=128 << 20, segment_reuse="auto")
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(dtype="float32", num_kv_blocks=256)
+
+
+def run(llm, prompt, salt=None, drift=0.1, cold=True):
+    e = llm.engine
+    e.config.auto_reuse_max_drift = drift
+    if cold:
+        assert e.reset_prefix_cache()
+    p = {"prompt": prompt, "cache_salt": salt} if salt else prompt
+    return llm.generate(p, GREEDY)[0]
+
+
+def logprobs(out) -> torch.Tensor:
+    return torch.tensor([[lp[t] for t in sorted(lp)] for lp in out.logprobs])
+
+
+def test_reordered_documents_are_found_without_markup(llm, plain):
+    llm.engine.segment_reuse.store.clear()
+    first = run(llm, text(DOCS))
+    assert first.auto_reuse == {"tokens": 0, "drift": None, "fallback": False}  # nothing stored yet
+    again = run(llm, text(DOCS[::-1]))
+    reused = again.auto_reuse["tokens"]
+    doc_tokens = sum(len(llm.tokenizer.encode(d, add_special_tokens=False)) for d in DOCS)
+    assert reused >= 0.6 * doc_tokens and not again.auto_reuse["fallback"]
+    assert 0 < again.auto_reuse["drift"] <= 0.1
+    assert again.num_computed_tokens == len(again.prompt_token_ids) - again.num_cached_tokens - reused
+    ref = plain.generate(text(DOCS[::-1]), GREEDY)[0]
+    assert again.token_ids[:3] == ref.token_ids[:3], (again.text, ref.text)
+    st = llm.engine.get_stats()
+    assert st.auto_reuse_requests >= 1 and st.auto_reuse_tokens >= reused
+    assert llm.engine.get_stats().kv_cache_usage == 0
+
+
+def test_no_reuse_across_namespaces(llm):
+    llm.engine.segment_reuse.store.clear()
+    run(llm, text(DOCS), salt="tenant-a")
+    other = run(llm, text(DOCS[::-1]), salt="tenant-b")
+    assert other.auto_reuse["tokens"] == 0  # tenant b finds nothing tenant a stored
+    unsalted = run(llm, text(DOCS[1:] + DOCS[:1]))
+    assert unsalted.auto_reuse["tokens"] == 0
+    same = run(llm, text(DOCS[::-1]), salt="tenant-a")
+    assert same.auto_reuse["tokens"] > 0
+
+
+def test_guard_falls_back_to_full_prefill_beyond_the_bound(llm, plain):
+    llm.engine.segment_reuse.store.clear()
+    run(llm, text(DOCS))
+    before = llm.engine.get_stats().auto_reuse_fallbacks
+    out = run(llm, text(DOCS[::-1]), drift=0.0)  # any drift is too much: the guard must recompute
+    assert out.auto_reuse["fallback"] and out.auto_reuse["tokens"] == 0 and out.auto_reuse["drift"] > 0
+    assert llm.engine.get_stats().auto_reuse_fallbacks == before + 1
+    ref = plain.generate(text(DOCS[::-1]), GREEDY)[0]
+    assert out.token_ids == ref.token_ids
+    torch.testing.assert_close(logprobs(out), logprobs(ref), atol=1e-4, rtol=0)
+
+
+def test_guard_bound_is_the_line_between_answered_and_recomputed(llm):
+    def reordered(bound):  # the same store each time: the documents in order, then reversed
+        llm.engine.segment_reuse.store.clear()
+        run(llm, text(DOCS))
+        return run(llm, text(DOCS[::-1]), drift=bound)
+
+    d = reordered(10.0).auto_reuse["drift"]
+    below, above = reordered(d * 1.01), reordered(d * 0.99)
+    assert not below.auto_reuse["fallback"] and below.auto_reuse["tokens"] > 0
+    assert above.auto_reuse["fallback"] and above.auto_reuse["tokens"] == 0
+
+
+def test_auto_on_without_hits_equals_off_bit_for_bit(llm, plain):
+    """Prompts with nothing to find, and exact prefix hits, are ordinary prefills in auto mode."""
+    llm.engine.segment_reuse.store.clear()
+    assert llm.engine.reset_prefix_cache() and plain.engine.reset_prefix_cache()  # the same cache states
+    prompts = [text(DOCS[:1], "Who keeps goats?"), text(DOCS[1:2], "Where is Quentol?"),
+               text(DOCS[:1], "Who keeps goats?")]  # the last: a full prefix hit
+    for p in prompts:
+        out, ref = run(llm, p, cold=False), plain.generate(p, GREEDY)[0]
+        assert out.auto_reuse["tokens"] == 0 and ref.auto_reuse is None
+        assert out.token_ids == ref.token_ids and out.logprobs == ref.logprobs  # bit-identical
+
+
+def test_auto_off_reports_nothing_and_stores_nothing(plain):
+    store = plain.engine.segment_reuse.store
+    out = plain.generate(text(DOCS), GREEDY)[0]
+    assert out.auto_reuse is None and len(store.index) == 0
+    assert plain.engine.segment_reuse.auto_stats is None
+
+
+def test_early_edit_reuses_the_rest_at_the_same_position(llm):
+    """Cache repair: a changed first line breaks the prefix hit; the chunks after it are reused."""
+    llm.engine.segment_reuse.store.clear()
+    def head(t):
+        return f"<|im_start|>system\nNow: {t}\n\n" + "\n\n".join(DOCS) + "<|im_end|>\n<|im_start|>user\n"
+    run(llm, text([], "Who knows the code?", head("2026-11-23 21:40:05")))
+    out = run(llm, text([], "Who knows the code?", head("2026-11-24 08:01:17")))
+    assert out.num_cached_tokens < 16 and out.auto_reuse["tokens"] > 0.6 * len(out.prompt_token_ids)
+
+
+def test_marked_segments_keep_working_in_auto_mode(llm):
+    llm.engine.segment_reuse.store.clear()
+    tail = "Question: " + QUESTION + "<|im_end|>\n<|im_start|>assistant\n"
+    llm.generate({"prompt": HEAD, "segments": DOCS, "suffix": tail}, GREEDY)
+    out = llm.generate({"prompt": HEAD, "segments": DOCS[::-1], "suffix": tail}, GREEDY)[0]
+    assert out.num_segment_tokens > 0 and out.auto_reuse is None  # the marked path, as before
+
+
+def test_chunks_live_in_the_tiers(tmp_path):
+    """A second engine on the same disk tier (a restart) finds the chunks the first one stored."""
+    tier = [f"disk:{tmp_path}:256MiB"]
+    first = LLM(dtype="float32", num_kv_blocks=128, segment_reuse="auto", kv_tiers=tier, auto_reuse_max_drift=0.2)
+    first.generate(text(DOCS), GREEDY)
+    first.engine.close()
+    del first
+    second = LLM(dtype="float32", num_kv_blocks=128, segment_reuse="auto", kv_tiers=tier, auto_reuse_max_drift=0.2)
+    out = second.generate(text(DOCS[::-1]), GREEDY)[0]
+    assert out.auto_reuse["tokens"] > 0 and second.engine.segment_reuse.store.tier_loads > 0
+    second.engine.close()

@@ -1,0 +1,70 @@
+"""``--segment-reuse auto`` through the real server: documents in chat messages, reordered and
+unmarked, are found again for the tenant that sent them and for no other; usage and /metrics
+report it (issue 24)."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from kvmosaic.audit import Auditor
+from kvmosaic.server.launch import ServerProcess
+
+DOCS = [
+    "Document A. The lighthouse on Gull Point was built in 1871 and painted red in 1902; its lamp was "
+    "fuelled by whale oil until the harbour board bought an electric lamp from a firm in the capital.",
+    "Document B. The ferry to Marsh Island leaves at seven and returns at four; in winter it runs only on "
+    "Mondays and Thursdays, and passengers must book a seat at the harbour office the day before.",
+    "Document C. The bakery on Quay Street sells rye bread on Tuesdays only, and on Fridays it bakes a "
+    "plum cake whose recipe the owner's grandmother brought from the mountains ninety years ago.",
+]
+KEYS = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer key-b"}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc = ServerProcess("--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256",
+                         "--max-model-len", "1024", "--segment-reuse", "auto", "--auto-reuse-max-drift", "0.2",
+                         "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "admin-key")
+    with proc.start():
+        yield proc
+
+
+def chat(server, docs, key="a") -> dict:
+    content = "Answer from these documents.\n\n" + "\n\n".join(docs) + "\n\nWhen was the lighthouse built?"
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0.0}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=KEYS[key], timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]
+
+
+def metric(server, name: str) -> float:
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer admin-key"}, timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_reordered_documents_are_reused_for_their_tenant_only(server):
+    first = chat(server, DOCS)
+    assert first["auto_reused_tokens"] == 0 and first["auto_reuse_drift"] is None
+    other = chat(server, DOCS[::-1], key="b")
+    assert other["auto_reused_tokens"] == 0, "tenant b must not reuse what tenant a computed"
+    again = chat(server, DOCS[::-1])
+    assert again["auto_reused_tokens"] > 60 and again["auto_reuse_drift"] > 0
+    assert again["auto_reuse_fallback"] is False
+    assert metric(server, "kvmosaic:auto_reuse_tokens_total") >= again["auto_reused_tokens"]
+    assert metric(server, "kvmosaic:auto_reuse_fallbacks_total") == 0
+    health = httpx.get(server.url + "/health", headers={"Authorization": "Bearer admin-key"}, timeout=30).json()
+    assert health["kv"]["num_used_blocks"] == 0
+
+
+def test_the_audit_finds_no_cross_tenant_reuse_away_from_the_prefix(server):
+    """``kvmosaic audit --head-tokens``: a secret behind a fresh head is reused for its own
+    tenant (the oracle sees it) and never for another."""
+    def audit(attacker: str):
+        a = Auditor(server.url, attacker, "key-a", suffix=4, seed=1, head=24)
+        return a.probe_length(96, probes=2, order_pairs=0)
+
+    own = audit("key-a")
+    assert own.cached_leak and own.cached_true > 0  # the same tenant: found by auto reuse
+    other = audit("key-b")
+    assert not other.cached_leak and other.cached_true == 0
