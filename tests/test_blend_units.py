@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvmosaic.blend.rope import rerotate
 from kvmosaic.blend.select import choose, deviation
 from kvmosaic.cache.hashing import CacheNamespace
 from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_seed
-from kvmosaic.model.llama import RotaryEmbedding, apply_rope
+from kvmosaic.model.families import Rope
+from kvmosaic.model.llama import RopeAt, RotaryEmbedding, apply_rope
 
 HEAD_DIM, THETA = 64, 100000.0
 
@@ -20,7 +22,7 @@ def test_rerotation_is_exact():
         pos = torch.arange(p, p + 40)
         at_p = apply_rope(k, *rope(pos, torch.float32))
         at_pd = apply_rope(k, *rope(pos + d, torch.float32))
-        moved = rerotate(at_p, d, HEAD_DIM, THETA)
+        moved = rerotate(at_p, d, rope.inv_freq)
         # The model's own float32 tables resolve an angle near position P to P * 2**-24
         # radians, so agreement is bounded by that, not by the rotation.
         atol = 4 * max(p, p + d, 64) * 2**-24 * float(k.abs().max()) * 2
@@ -31,8 +33,20 @@ def test_rerotation_per_token_and_layers():
     rope = RotaryEmbedding(HEAD_DIM, THETA, 512)
     k = torch.randn(2, 10, 3, HEAD_DIM)  # [layers, T, heads, dim]
     pos = torch.arange(10)
-    moved = rerotate(apply_rope(k, *rope(pos, torch.float32)), torch.full((10,), 7), HEAD_DIM, THETA)
+    moved = rerotate(apply_rope(k, *rope(pos, torch.float32)), torch.full((10,), 7), rope.inv_freq)
     torch.testing.assert_close(moved, apply_rope(k, *rope(pos + 7, torch.float32)), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("rope", [
+    Rope(500000.0, "llama3", 8.0, original_max_positions=8192, low_freq_factor=1.0, high_freq_factor=4.0),
+    Rope(10000.0, "linear", 4.0), Rope(10000.0, partial=0.5)], ids=["llama3", "linear", "partial"])
+def test_rerotation_uses_the_models_own_frequencies(rope):
+    """A scaled or partial RoPE moves K exactly as the model would have rotated it there."""
+    table = RotaryEmbedding(HEAD_DIM, rope, 4096)
+    k = torch.randn(12, 3, HEAD_DIM)
+    pos = torch.arange(100, 112)
+    at = lambda p: RopeAt.at(table, p).apply_(k.clone())  # noqa: E731 - the model's own rotation
+    torch.testing.assert_close(rerotate(at(pos), 900, table.inv_freq), at(pos + 900), atol=1e-4, rtol=0)
 
 
 def test_segment_keys_depend_on_tokens_and_namespace_only():

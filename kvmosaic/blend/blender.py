@@ -80,8 +80,7 @@ class BlendResult:
 class Blender:
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, store: SegmentKVStore) -> None:
         self.model, self.kv, self.store = model, kv, store
-        cfg = model.config
-        self.head_dim, self.theta = cfg.head_dim, cfg.rope_theta
+        self.inv_freq = model.rotary.inv_freq.detach().cpu()  # the model's own RoPE (blend/rope.py)
 
     def prefill(
         self,
@@ -144,7 +143,7 @@ class Blender:
         for span, origin, kvt in found:
             lo = max(span.start, start)
             part = kvt[:, :, lo - span.start :]
-            ks.append(rerotate(part[:, 0], span.start - origin, self.head_dim, self.theta))
+            ks.append(rerotate(part[:, 0], span.start - origin, self.inv_freq))
             vs.append(part[:, 1])
             dst.append(slots[lo : span.end])
             reused[lo : span.end] = True
