@@ -161,3 +161,4 @@ def test_vllm_dashboard_names_are_exposed_under_the_vllm_prefix():
                if line and not line.startswith("#")}
     assert not set(VLLM_DASHBOARD_NAMES) - exposed, set(VLLM_DASHBOARD_NAMES) - exposed
     assert not [n for n in exposed if n.startswith("kvmosaic:")]
+    assert "vllm:num_requests_waiting_by_reason" in exposed

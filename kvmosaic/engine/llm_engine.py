@@ -87,6 +87,7 @@ class EngineStats:
     auto_reuse_requests: int = 0
     auto_reuse_tokens: int = 0
     auto_reuse_fallbacks: int = 0
+    num_waiting_for_kv: int = 0  # requests parked while a storage tier loads their KV (WAITING_FOR_KV)
 
 
 @dataclass(frozen=True)
@@ -431,6 +432,7 @@ class LLMEngine:
             num_cached_blocks=size.cached,
             num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting),
+            num_waiting_for_kv=len(self.scheduler.loading),
             num_queued_prefill_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
                                           for s in (*self.scheduler.waiting, *self.scheduler.running)),
             num_preemptions=self.num_preemptions,

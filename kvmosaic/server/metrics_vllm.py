@@ -203,6 +203,12 @@ class ScrapeCollector(Collector):
                                   "(deprecated name of kv_cache_usage_perc).", labels=["model_name"])
         usage.add_metric([name], st.kv_cache_usage)
         yield usage
+        waiting = GaugeMetricFamily(PREFIX + "num_requests_waiting_by_reason", "Waiting requests by reason: "
+                                    "capacity (queued for a slot, budget or blocks), deferred (loading KV "
+                                    "from a storage tier).", labels=["model_name", "reason"])
+        waiting.add_metric([name, "capacity"], st.num_waiting)
+        waiting.add_metric([name, "deferred"], st.num_waiting_for_kv)
+        yield waiting
         yield from residency_metrics(st.kv_residency or {}, name)
         yield from tier_unit_metrics((st.kv_tiers or {}).get("tiers", {}), self.info.block_size, name)
 
