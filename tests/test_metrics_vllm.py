@@ -95,7 +95,8 @@ def test_request_phases_observed_once_at_finish():
                            prefix_cache="hash", hash_algo="sha256")
     sm = ServerMetrics(lambda: None, "m")  # its engine collector is not scraped below
     sm.registry = CollectorRegistry()
-    vm = VllmMetrics(sm, lambda: SimpleNamespace(kv_residency={}, kv_tiers={}, kv_cache_usage=0.0), info, "vllm:")
+    vm = VllmMetrics(sm, lambda: SimpleNamespace(kv_residency={}, kv_tiers={}, kv_cache_usage=0.0,
+                                                     num_waiting=0, num_waiting_for_kv=0), info, "vllm:")
     out = RequestOutput("r", None, list(range(40)), "abc", [1, 2, 3, 4], num_cached_tokens=16, finished=True,
                         finish_reason="length", metrics={
                             "arrival_time": 10.0, "ttft": 0.5, "first_scheduled_time": 10.25,
