@@ -101,6 +101,9 @@ def direct_ingress_env(server_args: ServerArgs) -> tuple[int, dict[str, str]]:
         "RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT": str(server_args.port + 1),  # exclusive
         "RAY_SERVE_DIRECT_INGRESS_MIN_GRPC_PORT": str(grpc),
         "RAY_SERVE_DIRECT_INGRESS_MAX_GRPC_PORT": str(grpc + 1),
+        # Ray holds a stopping ingress open 30 s for load balancers to deregister it; this
+        # command has drained the front itself (503 first, then the running requests) by then.
+        "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1",
     }
 
 
