@@ -34,6 +34,16 @@ from .replica import EngineReplica
 ROUTER_CLASS = "kvmosaic.serve.request_router.KVMosaicRouter"
 
 
+def serve_env(server_args: ServerArgs) -> dict[str, str]:
+    """Ray Serve's settings for the app's replicas, on any cluster (a replica reads them as its
+    process starts): Serve's low-latency mode (``RAY_SERVE_THROUGHPUT_OPTIMIZED``: user code and
+    the handle's router on the replica's own event loop, handles over gRPC, request logs to files
+    only; measured, the front's TTFT cost at c=1 +18.5 -> +15.6 ms, BENCHMARKS.md issue 20), with
+    direct ingress as ``kvmosaic serve`` decides it (that mode would turn it on everywhere)."""
+    direct = server_args.direct_ingress and not server_args.ray_address
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if direct else "0"}
+
+
 def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
     """An args dict (Serve config, Python) -> ``(EngineArgs, ServerArgs)``; ValueError names
     the keys that are neither."""
@@ -60,13 +70,15 @@ def build_application(engine_args: EngineArgs, server_args: ServerArgs, router_k
         placement["max_replicas_per_node"] = server_args.max_replicas_per_node
     replicas = serve.deployment(EngineReplica, name="EngineReplica").options(
         num_replicas=server_args.replicas or 2, max_ongoing_requests=256,
-        ray_actor_options={"num_cpus": server_args.replica_cpus}, **placement,
+        ray_actor_options={"num_cpus": server_args.replica_cpus, "runtime_env": {"env_vars": serve_env(server_args)}},
+        **placement,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
             request_router_kwargs={"policy": server_args.router, **(router_kwargs or {})},
             request_routing_stats_period_s=stats_period_s, request_routing_stats_timeout_s=5.0),
         health_check_period_s=2.0, health_check_timeout_s=30.0)
-    return OpenAIIngress.bind(replicas.bind(engine_args, server_args), engine_args, server_args)
+    front = OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env(server_args)}})
+    return front.bind(replicas.bind(engine_args, server_args), engine_args, server_args)
 
 
 def build_app(args: dict[str, Any]):

@@ -112,11 +112,15 @@ def run_replicas(engine_args: EngineArgs, server_args: ServerArgs) -> int:
     from ray import serve
 
     from ..server.cli import banner
-    from .app import build_application
+    from .app import build_application, serve_env
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     proxy_port, env = direct_ingress_env(server_args)
-    os.environ.update(env)  # read by Ray Serve's processes as they start, from this one's environment
+    # Read by the Ray this command starts, and its processes as they start, from this environment.
+    os.environ.update({**env, **serve_env(server_args)})
+    # Ray runs workers at nice 15 by default: the replicas' engines would then yield a core to any
+    # other process, and the front would lose it to them.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     ray.init(address=server_args.ray_address, ignore_reinit_error=True, include_dashboard=False,
              log_to_driver=server_args.log_level == "debug")
     stop = _signals()  # after ray.init, which installs its own SIGTERM handler (exit, no drain)

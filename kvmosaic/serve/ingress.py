@@ -69,6 +69,7 @@ class Answer:
         self.status, self.replica, self.attempts = head["status"], head.get("replica", ""), attempts
         self.headers = {k: v for k, v in head["headers"] if k.lower() not in DROPPED_HEADERS}
         self.body, self.gen, self.key = body, gen, key
+        self.first: bytes = head.get("first", b"")
 
     def json(self) -> dict:
         try:
@@ -127,7 +128,7 @@ class OpenAIIngress:
                 head = await gen.__anext__()
                 if dict(head["headers"]).get("content-type", "").startswith("text/event-stream"):
                     return Answer(head, None, gen, attempt, routed["key"])
-                body = b"".join([chunk async for chunk in gen])
+                body = head.get("first", b"") + b"".join([chunk async for chunk in gen])
                 self.observe(routed, head["status"], last_usage_of_json(body))
                 return Answer(head, body, None, attempt, routed["key"])
             except REPLICA_GONE as e:
@@ -140,8 +141,10 @@ class OpenAIIngress:
     async def relay(self, answer: Answer) -> AsyncIterator[bytes]:
         """A streamed answer's chunks as the replica makes them; a replica lost mid-stream ends it
         with an error event and ``[DONE]``; a client that leaves cancels the replica's stream."""
-        tail, done = b"", False
+        tail, done = answer.first[-8192:], False
         try:
+            if answer.first:
+                yield answer.first
             async for chunk in answer.gen:
                 tail = (tail + chunk)[-8192:]
                 yield chunk

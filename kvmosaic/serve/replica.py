@@ -7,7 +7,8 @@ the same ``EngineArgs`` (``tests/test_args.py``). Its engine publishes every cac
 own ZeroMQ endpoint (with replay; loopback unless ``--ray-address`` joined a cluster; block
 hashes only, no token ids), named in its routing stats with an ``instance`` id that changes
 when the replica restarts. Answers leave as they are made:
-:meth:`EngineReplica.handle` is a generator (the response head, then each body chunk).
+:meth:`EngineReplica.handle` is a generator (the response head with the first body chunk, then
+each further chunk).
 """
 
 from __future__ import annotations
@@ -72,15 +73,24 @@ class EngineReplica:
 
     async def handle(self, routed: dict[str, Any]) -> AsyncIterator[dict | bytes]:
         """Answer one HTTP request (``method``, ``path``, ``headers``, ``body``) through the
-        server app: yields ``{"status", "headers", "replica"}``, then the body's chunks."""
+        server app: yields the head ``{"status", "headers", "replica", "first"}`` with the body's
+        first chunk in ``first`` (one message to the front, not two, and none while the prefill
+        runs), then the other chunks."""
         n = len(routed.get("token_ids") or ())
         self.queued_tokens += n
+        head = None
         try:
             async for part in stream_asgi(self.app, routed.get("method", "POST"), routed["path"],
                                           routed.get("headers") or [], routed.get("body") or b""):
                 if isinstance(part, dict):
-                    part["replica"] = self.replica_id()
-                yield part
+                    head = {**part, "replica": self.replica_id()}
+                elif head is not None:  # the head travels with the first chunk: one message, not two
+                    yield {**head, "first": part}
+                    head = None
+                else:
+                    yield part
+            if head is not None:
+                yield head
         finally:
             self.queued_tokens -= n
 

@@ -167,3 +167,19 @@ def test_simulator_tiny(tmp_path):
     assert set(by) == {"round-robin", "least-loaded", "approximate-tree", "cache-aware", "oracle"}
     assert by["cache-aware"]["hit_rate"] >= by["round-robin"]["hit_rate"]
     assert (tmp_path / "sim.md").exists() and (tmp_path / "sim.json").exists()
+
+
+def test_every_replica_runs_serve_in_low_latency_mode_with_direct_ingress_as_decided():
+    """Both deployments carry Serve's low-latency settings in their runtime env (so a joined
+    cluster's replicas get them too); direct ingress only where ``kvmosaic serve`` starts Ray."""
+    from kvmosaic.engine.arg_utils import EngineArgs
+    from kvmosaic.serve.app import build_application
+    from kvmosaic.server.args import ServerArgs
+
+    for server, direct in ((ServerArgs(replicas=2), "1"), (ServerArgs(replicas=2, direct_ingress=False), "0"),
+                           (ServerArgs(replicas=2, ray_address="ray://10.0.0.1:10001"), "0")):
+        front = build_application(EngineArgs(), server)._bound_deployment
+        engines = front.init_args[0]._bound_deployment
+        for deployment in (front, engines):
+            env = deployment.ray_actor_options["runtime_env"]["env_vars"]
+            assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": direct}
