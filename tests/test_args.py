@@ -22,6 +22,7 @@ ENGINE_FLAGS = {
     "num_kv_blocks": ["--num-kv-blocks", "77"], "kv_cache_memory": ["--kv-cache-memory", "2G"],
     "max_num_batched_tokens": ["--max-num-batched-tokens", "1024"], "max_num_seqs": ["--max-num-seqs", "9"],
     "fair_share_chunk_tokens": ["--fair-share-chunk-tokens", "64"],
+    "fair_share_decode_rows": ["--fair-share-decode-rows", "8"],
     "cascade_attention": ["--no-cascade-attention"], "max_model_len": ["--max-model-len", "512"],
     "enable_prefix_caching": ["--no-enable-prefix-caching"], "prefix_cache": ["--prefix-cache", "radix"],
     "kv_layout": ["--kv-layout", "full"],

@@ -3,7 +3,8 @@
 * engine: tenant A queues 12 long prompts, then tenant B one short; B's first token comes in
   the next step, which is B's alone (never two such steps in a row), where as one more of A's
   it would wait for the whole flood; while B is active, A's prefill per step is capped
-  (``fair_share_chunk_tokens``), and A alone is not; outputs are unchanged by the reordering;
+  (``fair_share_chunk_tokens``), and so are its decodes, in turn (``fair_share_decode_rows``),
+  and A alone is not; outputs are unchanged by the reordering;
 * server: with ``--tenant-max-requests 2`` a key's third concurrent request gets 429 with
   ``Retry-After``, counted per tenant, while another key is served (one process, and through
   ``--replicas 2``, where each replica counts its own requests).
@@ -102,6 +103,55 @@ def test_a_flooding_tenant_s_prefill_is_capped_while_another_is_active():
     assert max(a_prefill) <= 32, a_prefill
     assert any(n == 32 for n in a_prefill), "A goes on prefilling, 32 tokens a step"
     engine.pool.check_invariants()
+
+
+def run_with_a_newcomer(engine, decodes_of_a: int = 12) -> tuple[list[list[tuple[str, str, bool]]], dict]:
+    """A's ``decodes_of_a`` short requests reach decode alone; then B's request comes. Returns
+    each step's (tenant, request id, is a prefill) rows and every request's output tokens."""
+    steps: list = []
+    schedule = engine.scheduler.schedule
+
+    def wrapped():
+        out = schedule()
+        steps.append([(s.seq.tenant, s.seq.request_id, s.seq.num_computed_tokens < s.seq.num_prompt_tokens)
+                      for s in out.scheduled])
+        return out
+
+    engine.scheduler.schedule = wrapped
+    params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
+    for i in range(decodes_of_a):
+        engine.add_request([1000 + i] + list(range(2000, 2020)), params, request_id=f"a{i}").tenant = "A"
+    outputs: dict = {}
+    for _ in range(4):  # the first two steps prefill A's prompts, 128 tokens a step
+        engine.step()
+    engine.add_request(list(range(5000, 5040)), params, request_id="b").tenant = "B"
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = list(out.token_ids)
+    del engine.scheduler.schedule
+    return steps, outputs
+
+
+def test_a_flooding_tenant_s_decodes_are_capped_in_turn_while_another_is_active():
+    steps, outputs = run_with_a_newcomer(make_engine(fair_share_decode_rows=4))
+    assert [len(step) for step in steps[2:4]] == [12, 12], "A alone: every decode, every step"
+    with_b = [step for step in steps[4:] if any(t == "B" for t, _, _ in step)]
+    assert len(with_b) >= 10
+    for step in with_b:
+        assert sum(t == "A" and not prefill for t, _, prefill in step) <= 4, step
+    # in turn: while B runs, each of A's decodes advances at least every third step
+    last = {f"a{i}": 3 for i in range(12)}
+    for k, step in enumerate(steps[4:], start=4):
+        if not any(t == "B" for t, _, _ in step):
+            break
+        for _, rid, _ in step:
+            if rid in last:
+                assert k - last[rid] <= 3 + 1, (rid, last[rid], k)  # +1: B's own step
+                last[rid] = k
+    uncapped_steps, uncapped = run_with_a_newcomer(make_engine(fair_share_decode_rows=0))
+    assert outputs == uncapped, "the cap reorders work, never changes it"
+    assert len(steps) > len(uncapped_steps), "A's decodes took more, shorter steps"
 
 
 @pytest.fixture(scope="module", params=[None, 2], ids=["one-process", "replicas-2"])

@@ -49,12 +49,14 @@ async def b_series(client, key: str, n: int, rng: random.Random) -> list[float]:
     return out
 
 
-async def flood(client, n: int, words: int, rng: random.Random, stop: asyncio.Event) -> None:
-    """Keep ``n`` of A's long requests in flight until ``stop``."""
+async def flood(client, n: int, words: int, rng: random.Random, stop: asyncio.Event, done: list[float]) -> None:
+    """Keep ``n`` of A's long requests in flight until ``stop``; ``done`` gets the time each
+    one finished (A's throughput)."""
     async def one(i: int) -> None:
         while not stop.is_set():
             try:
-                await ttft(client, "key-a", f"Flood {i} {rng.random()}: " + prompt(rng, words), 16)
+                if await ttft(client, "key-a", f"Flood {i} {rng.random()}: " + prompt(rng, words), 16) is not None:
+                    done.append(time.perf_counter())
             except httpx.HTTPError:
                 pass
 
@@ -65,17 +67,21 @@ async def flood(client, n: int, words: int, rng: random.Random, stop: asyncio.Ev
     await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def under_flood(url: str, args, b_key: str, seed: int) -> list[float]:
+async def under_flood(url: str, args, b_key: str, seed: int) -> tuple[list[float], float]:
+    """B's TTFTs beside A's flood, and A's requests finished per second while B's ran."""
     rng = random.Random(seed)
     stop = asyncio.Event()
+    done: list[float] = []
     limits = httpx.Limits(max_connections=args.flood + 8)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
-        flooding = asyncio.create_task(flood(client, args.flood, int(args.flood_tokens / 1.2), rng, stop))
+        flooding = asyncio.create_task(flood(client, args.flood, int(args.flood_tokens / 1.2), rng, stop, done))
         await asyncio.sleep(args.warmup)  # the flood fills the running slots and the queue
+        t0 = time.perf_counter()
         got = await b_series(client, b_key, args.b_requests, rng)
+        t1 = time.perf_counter()
         stop.set()
         await flooding
-    return got
+    return got, sum(t0 <= t <= t1 for t in done) / (t1 - t0)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--b-requests", type=int, default=6)
     p.add_argument("--warmup", type=float, default=5.0, help="seconds of flood before B starts")
     p.add_argument("--serve-args", default="", help="more 'kvmosaic serve' flags")
+    p.add_argument("--no-baseline", action="store_true", help="skip B's requests sent as A's (minutes)")
     args = p.parse_args(argv)
     print(f"machine: {describe()}")
     flags = ["--dtype", args.dtype, "--api-key", "key-a", "--api-key", "key-b", *args.serve_args.split()]
@@ -100,14 +107,15 @@ def main(argv: list[str] | None = None) -> int:
                 return await b_series(client, "key-b", args.b_requests, random.Random(1))
 
         solo = asyncio.run(alone())
-        fair = asyncio.run(under_flood(server.url, args, "key-b", 2))
-        as_a = asyncio.run(under_flood(server.url, args, "key-a", 3))
+        fair, a_rate = asyncio.run(under_flood(server.url, args, "key-b", 2))
+        as_a = [] if args.no_baseline else asyncio.run(under_flood(server.url, args, "key-a", 3))[0]
     rows = [("B alone", solo), ("B beside A's flood", fair), ("B's requests as A's (no fair share)", as_a)]
     print(f"\nflood: {args.flood} x {args.flood_tokens}-token prompts from key A; B: {args.b_requests} requests "
           f"one at a time, ~70-token prompts, dtype {args.dtype}\n")
     print("| B's requests | TTFT p50 ms | n |\n|---|---|---|")
     for name, xs in rows:
         print(f"| {name} | {statistics.median(xs) * 1e3:,.0f} | {len(xs)} |" if xs else f"| {name} | failed | 0 |")
+    print(f"\nA's requests finished per second while B's ran beside them: {a_rate:.2f}")
     if solo and fair:
         print(f"\nbeside the flood / alone: {statistics.median(fair) / statistics.median(solo):.2f}x (target <= 2)")
     if fair and as_a:

@@ -44,8 +44,9 @@ class EngineConfig(EngineArgs):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.fair_share_chunk_tokens < 0:
-            raise ValueError(f"fair_share_chunk_tokens must be >= 0, got {self.fair_share_chunk_tokens}")
+        if self.fair_share_chunk_tokens < 0 or self.fair_share_decode_rows < 0:
+            raise ValueError("fair_share_chunk_tokens and fair_share_decode_rows must be >= 0, got "
+                             f"{self.fair_share_chunk_tokens} and {self.fair_share_decode_rows}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "lpm"):

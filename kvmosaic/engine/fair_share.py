@@ -14,7 +14,10 @@ for a while starts again at the front). Each step:
   decodes and prefill chunks;
 * while several tenants are active (running, waiting, or served in the last few hundred steps),
   the most-served tenant's prefill tokens per step are capped (:meth:`chunk_caps`,
-  ``fair_chunk_tokens``), so the step in progress when a newcomer arrives is short;
+  ``fair_chunk_tokens``), and so are its decodes (``fair_decode_rows``), taken in turn: decodes
+  run least recently advanced first (``Sequence.last_step``), so one skipped goes first next
+  step and none starves. The step in progress when a newcomer arrives is short: a tenant's 64
+  decodes over long contexts read gigabytes of KV a step;
 * waiting sequences: the least-served tenant's first (the queue's own order kept within a
   tenant), and a tenant already holding its share of the running slots
   (``ceil(max_num_seqs / active tenants)``) waits while another tenant has a request waiting;
@@ -37,21 +40,25 @@ class FairShare:
     def __init__(self, decay: float = 0.98) -> None:
         self.decay = decay
         self.served: dict[str | None, float] = {}
+        self.step = 0  # steps scheduled so far (Sequence.last_step counts in them)
 
     def charge(self, seq: Sequence, tokens: int) -> None:
         self.served[seq.tenant] = self.served.get(seq.tenant, 0.0) + tokens
 
     def end_step(self) -> None:
+        self.step += 1
         self.served = {t: v * self.decay for t, v in self.served.items() if v * self.decay >= 1.0}
 
     @staticmethod
     def tenants(*groups: Iterable[Sequence]) -> set[str | None]:
         return {s.tenant for g in groups for s in g}
 
-    def order_running(self, running: list[Sequence]) -> list[Sequence]:
-        if len(self.tenants(running)) < 2:
+    def order_running(self, running: list[Sequence], in_turn: bool = False) -> list[Sequence]:
+        """Decodes (least recently advanced first), then prefills (least-served tenant first);
+        with one tenant running the batch's own order, unless decodes are capped (``in_turn``)."""
+        if len(self.tenants(running)) < 2 and not in_turn:
             return list(running)
-        decodes = [s for s in running if s.num_uncomputed <= 1]
+        decodes = sorted((s for s in running if s.num_uncomputed <= 1), key=lambda s: s.last_step)
         prefills = [s for s in running if s.num_uncomputed > 1]
         return decodes + sorted(prefills, key=lambda s: self.served.get(s.tenant, 0.0))
 
@@ -77,9 +84,10 @@ class FairShare:
         return [s for s in waiting if s.tenant not in busy and self.served.get(s.tenant, 0.0) < floor]
 
     def chunk_caps(self, running: list[Sequence], waiting: Iterable[Sequence], chunk: int) -> dict[str | None, int]:
-        """Prefill tokens this step may give each capped tenant: ``chunk`` for the most-served
-        tenant(s) while another tenant is active (running, waiting, or served recently: its
-        decayed service is at least one token); ``{}`` (no cap) otherwise, or when ``chunk`` is 0."""
+        """What this step may give each capped tenant (prefill tokens, or decode rows): ``chunk``
+        for the most-served tenant(s) while another tenant is active (running, waiting, or served
+        recently: its decayed service is at least one token); ``{}`` (no cap) otherwise, or when
+        ``chunk`` is 0."""
         if chunk <= 0:
             return {}
         active = self.tenants(running, waiting) | set(self.served)

@@ -181,7 +181,8 @@ class LLMEngine:
         self.cache = make_cache_manager(config, self.pool, seed, self.tiers, self.kv_layout)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
-                            config.scheduling_policy, fair_chunk_tokens=config.fair_share_chunk_tokens),
+                            config.scheduling_policy, fair_chunk_tokens=config.fair_share_chunk_tokens,
+                            fair_decode_rows=config.fair_share_decode_rows),
             self.cache,
             KVConnector(self.tiers, config.block_size) if self.tiers is not None else None,
         )

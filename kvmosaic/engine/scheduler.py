@@ -49,6 +49,8 @@ class SchedulerConfig:
     # While several tenants are active, the prefill tokens a step gives the most-served tenant at
     # most (FairShare.chunk_caps); 0: no limit.
     fair_chunk_tokens: int = 0
+    # ... and the decodes a step gives it at most, in turn (FairShare.decode_caps); 0: no limit.
+    fair_decode_rows: int = 0
 
 
 @dataclass
@@ -153,14 +155,19 @@ class Scheduler:
             return out
         budget = self.config.max_num_batched_tokens
         caps = self.fair.chunk_caps(self.running, self.waiting, self.config.fair_chunk_tokens)
+        rows = self.fair.chunk_caps(self.running, self.waiting, self.config.fair_decode_rows)
         reserved = self.fair.reserve(self.running, self.waiting, budget)  # for other tenants' newcomers
-        queue = self.fair.order_running(self.running)
+        queue = self.fair.order_running(self.running, in_turn=bool(rows))
         while queue and budget > 0:
             seq = queue.pop(0)
             n = min(seq.num_uncomputed, budget if seq.num_uncomputed <= 1 else
                     min(budget - reserved, caps.get(seq.tenant, budget)))
             if n <= 0:
                 continue
+            if seq.num_uncomputed <= 1 and seq.tenant in rows:  # a capped tenant's decode
+                if rows[seq.tenant] <= 0:
+                    continue  # its turn comes next step (FairShare.order_running)
+                rows[seq.tenant] -= 1
             while self.kv.allocate_slots(seq, seq.num_computed_tokens + n) is None:
                 if self.running == [seq]:  # alone and still too big: it can never continue
                     self._drop(seq, out)
@@ -173,6 +180,7 @@ class Scheduler:
             else:
                 out.scheduled.append(ScheduledSeq(seq, n))
                 self.fair.charge(seq, n)
+                seq.last_step = self.fair.step
                 budget -= n
                 if n > 1 and seq.tenant in caps:
                     caps[seq.tenant] -= n

@@ -35,6 +35,7 @@ class Sequence:
     public_blocks: int = 0
     # Who sent it, for fair share between tenants (engine/fair_share.py); None: no tenancy.
     tenant: str | None = None
+    last_step: int = -1  # the scheduler step that last advanced it (fair share: whose turn it is)
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
