@@ -9,9 +9,9 @@
  *   - a weight is float(d) * q + float(m), product and sum each rounded to float32 (no FMA:
  *     exactly what gguf-py's dequantize, and so the float model, computes);
  *   - x is read as given (float32, or bfloat16 widened exactly);
- *   - each output is a float32 sum of x * w in 32 lanes (lane j: element j of every block, with
- *     fused multiply-add under AVX-512), the lanes added at the end; stored as float32 or
- *     rounded to bfloat16 (nearest even).
+ *   - each output is a float32 sum of x * w in 32 lanes (lane j: element j of every block;
+ *     under AVX-512 even and odd blocks in separate lanes, with fused multiply-add), the lanes
+ *     added at the end; stored as float32 or rounded to bfloat16 (nearest even).
  * Every (row, channel) output is computed by one thread in the same order whatever the number
  * of rows, so a row's result does not depend on the other rows (batch invariance). Rows are
  * taken in tiles so that a block, read once from memory, serves all of them.
@@ -22,7 +22,7 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -31,6 +31,9 @@
 #define ROW_TILE 4
 
 static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h); /* exact, as the portable conversion below */
+#endif
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16;
     uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
     if (exp == 0) {
@@ -85,8 +88,9 @@ static inline void store(void *y, int out_bf16, int64_t i, float v) {
 static inline void channel_tile(const uint8_t *wrow, const float *x, int64_t in, int64_t r0, int nr, float *dots) {
     const int64_t nblocks = in / Q4_1_BLOCK;
 #if defined(__AVX512F__)
-    __m512 acc_lo[ROW_TILE], acc_hi[ROW_TILE];
-    for (int r = 0; r < ROW_TILE; ++r) acc_lo[r] = acc_hi[r] = _mm512_setzero_ps();
+    /* Four accumulators a row (low / high half of even / odd blocks): independent FMA chains. */
+    __m512 acc[ROW_TILE][4];
+    for (int r = 0; r < ROW_TILE; ++r) acc[r][0] = acc[r][1] = acc[r][2] = acc[r][3] = _mm512_setzero_ps();
     const __m512i low4 = _mm512_set1_epi32(0x0f);
     for (int64_t b = 0; b < nblocks; ++b) {
         const uint8_t *blk = wrow + b * Q4_1_BYTES;
@@ -96,15 +100,18 @@ static inline void channel_tile(const uint8_t *wrow, const float *x, int64_t in,
         const __m512 vd = _mm512_set1_ps(d), vm = _mm512_set1_ps(m);
         const __m512 w_lo = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_and_si512(q, low4))), vm);
         const __m512 w_hi = _mm512_add_ps(_mm512_mul_ps(vd, _mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4))), vm);
+        const int odd = (int)(b & 1) * 2;
         for (int r = 0; r < ROW_TILE; ++r) {
             if (r < nr) {
                 const float *xr = x + (r0 + r) * in + b * Q4_1_BLOCK;
-                acc_lo[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w_lo, acc_lo[r]);
-                acc_hi[r] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w_hi, acc_hi[r]);
+                acc[r][odd] = _mm512_fmadd_ps(_mm512_loadu_ps(xr), w_lo, acc[r][odd]);
+                acc[r][odd + 1] = _mm512_fmadd_ps(_mm512_loadu_ps(xr + 16), w_hi, acc[r][odd + 1]);
             }
         }
     }
-    for (int r = 0; r < nr; ++r) dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc_lo[r], acc_hi[r]));
+    for (int r = 0; r < nr; ++r)
+        dots[r] = _mm512_reduce_add_ps(
+            _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3])));
 #else
     float acc[ROW_TILE][Q4_1_BLOCK];
     memset(acc, 0, sizeof acc);
