@@ -35,17 +35,17 @@ def test_reference_dequantizes_as_gguf_py_does():
 
     blocks = random_blocks(40, 256, seed=1)
     want = dequantize(blocks.numpy(), GGMLQuantizationType.Q4_1).astype(np.float32)
-    assert torch.equal(kernels.q4_1_reference(blocks, 256), torch.from_numpy(want))
+    assert torch.equal(kernels.q4_1_reference(kernels.q4_1_split(blocks)), torch.from_numpy(want))
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_kernel_matches_the_reference(dtype):
-    blocks = random_blocks(300, 576, seed=2)
-    w = kernels.q4_1_reference(blocks, 576)
-    assert torch.equal(kernels.q4_1_dequantize(blocks, 576, dtype), w.to(dtype))
+    split = kernels.q4_1_split(random_blocks(300, 576, seed=2))
+    w = kernels.q4_1_reference(split)
+    assert torch.equal(kernels.q4_1_dequantize(split, dtype), w.to(dtype))
     x = torch.randn(GEMV_MAX_ROWS, 576, generator=torch.Generator().manual_seed(3)).to(dtype)
-    got = kernels.q4_1_matmul(blocks, x)
+    got = kernels.q4_1_matmul(split, x)
     want = (x.float() @ w.T).to(dtype)  # float32 accumulation of x * dequant(w), rounded to x's dtype
     assert got.dtype == dtype
     ulp = 2**-7 if dtype == torch.bfloat16 else 1e-5
@@ -55,13 +55,14 @@ def test_kernel_matches_the_reference(dtype):
 @needs_kernel
 def test_a_row_does_not_depend_on_the_other_rows():
     """Batch invariance: a row alone, in any batch, at any place, is bitwise the same."""
-    blocks = random_blocks(200, 1536, seed=4)
-    x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(5)).bfloat16()
-    batch = kernels.q4_1_matmul(blocks, x)
-    for i in range(13):
-        assert torch.equal(kernels.q4_1_matmul(blocks, x[i : i + 1]), batch[i : i + 1])
-    shuffled = torch.randperm(13, generator=torch.Generator().manual_seed(6))
-    assert torch.equal(kernels.q4_1_matmul(blocks, x[shuffled]), batch[shuffled])
+    split = kernels.q4_1_split(random_blocks(200, 1536, seed=4))
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(13, 1536, generator=torch.Generator().manual_seed(5)).to(dtype)
+        batch = kernels.q4_1_matmul(split, x)
+        for i in range(13):
+            assert torch.equal(kernels.q4_1_matmul(split, x[i : i + 1]), batch[i : i + 1])
+        shuffled = torch.randperm(13, generator=torch.Generator().manual_seed(6))
+        assert torch.equal(kernels.q4_1_matmul(split, x[shuffled]), batch[shuffled])
 
 
 def test_both_paths_of_the_layer_agree():
@@ -73,7 +74,7 @@ def test_both_paths_of_the_layer_agree():
     many = layer(x)
     few = torch.cat([layer(x[i : i + 4]) for i in range(0, x.shape[0], 4)])
     torch.testing.assert_close(few, many, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(F.linear(x, kernels.q4_1_reference(blocks, 128)), many, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(F.linear(x, kernels.q4_1_reference(kernels.q4_1_split(blocks))), many, rtol=1e-5, atol=1e-5)
     assert head(x.bfloat16()[:2]).dtype == torch.float32
 
 
@@ -85,7 +86,7 @@ def test_loader_keeps_the_blocks_in_the_float_rows_order():
     for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight",
                  "model.layers.29.mlp.down_proj.weight"):
         blocks = weights.q4_1_blocks[name]
-        assert torch.equal(kernels.q4_1_reference(blocks, weights.tensors[name].shape[1]), weights.tensors[name])
+        assert torch.equal(kernels.q4_1_reference(kernels.q4_1_split(blocks)), weights.tensors[name])
     assert load_weights(None).q4_1_blocks is None  # the default path keeps nothing extra
 
 

@@ -40,7 +40,7 @@ from .loader import LoadedWeights
 
 log = logging.getLogger("kvmosaic")
 
-GEMV_MAX_ROWS = 16  # measured on a 2-core Xeon (AMX): above this a bf16 GEMM on dequantized weights wins
+GEMV_MAX_ROWS = 8  # a 2-core Xeon (AMX), 3072x576: kernel and bf16 GEMM on dequantized weights tie at 8 rows
 
 # (module name in DecoderLayer, its Hugging Face weight if stored fused, the parts otherwise)
 FUSED = (
@@ -52,29 +52,37 @@ FUSED = (
 
 
 class Q4_1Linear(nn.Module):
-    """A bias-free linear layer over Q4_1 blocks ``[out, in / 32 * 20]`` (uint8). Input
-    ``[tokens, in]`` in the model's dtype; output in that dtype, or float32 with ``logits``."""
+    """A bias-free linear layer over Q4_1 blocks ``[out, in / 32 * 20]`` (uint8, as the file
+    stores them; kept split: ``kernels.Q4_1Weights``). Input ``[tokens, in]`` in the model's
+    dtype; output in that dtype, or float32 with ``logits``."""
 
     def __init__(self, blocks: torch.Tensor, in_features: int, logits: bool = False) -> None:
         super().__init__()
         if in_features % kernels.Q4_1_BLOCK or blocks.shape[1] != in_features // kernels.Q4_1_BLOCK * kernels.Q4_1_BYTES:
             raise ValueError(f"Q4_1 blocks {tuple(blocks.shape)} do not hold {in_features} inputs a row")
         self.in_features, self.out_features = in_features, blocks.shape[0]
-        self.register_buffer("blocks", blocks.contiguous())
+        split = kernels.q4_1_split(blocks)
+        self.register_buffer("qs", split.qs)
+        self.register_buffer("d", split.d)
+        self.register_buffer("m", split.m)
         self.logits = logits
         self.gemv = kernels.q4_1_available()
+
+    @property
+    def weights(self) -> kernels.Q4_1Weights:
+        return kernels.Q4_1Weights(self.qs, self.d, self.m)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense ``[out, in]`` weight in ``dtype`` (the file's weights, rounded to ``dtype``)."""
         if self.gemv and dtype in (torch.float32, torch.bfloat16):
-            return kernels.q4_1_dequantize(self.blocks, self.in_features, dtype)
-        return kernels.q4_1_reference(self.blocks, self.in_features).to(dtype)
+            return kernels.q4_1_dequantize(self.weights, dtype)
+        return kernels.q4_1_reference(self.weights).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
-            y = kernels.q4_1_matmul(self.blocks, x)
-            return y.float() if self.logits else y
-        y = F.linear(x, self.dequantized(x.dtype))
+            y = kernels.q4_1_matmul(self.weights, x)
+        else:
+            y = F.linear(x, self.dequantized(x.dtype))
         return y.float() if self.logits else y
 
     def extra_repr(self) -> str:
