@@ -66,7 +66,7 @@ class Q4_1Linear(nn.Module):
         self.register_buffer("d", split.d)
         self.register_buffer("m", split.m)
         self.logits = logits
-        self.gemv = kernels.q4_1_available()
+        self.gemv = kernels.q4_1_available()  # CPU tensors only (forward checks the device)
 
     @property
     def weights(self) -> kernels.Q4_1Weights:
@@ -74,12 +74,13 @@ class Q4_1Linear(nn.Module):
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The dense ``[out, in]`` weight in ``dtype`` (the file's weights, rounded to ``dtype``)."""
-        if self.gemv and dtype in (torch.float32, torch.bfloat16):
+        if self.gemv and dtype in (torch.float32, torch.bfloat16) and self.qs.device.type == "cpu":
             return kernels.q4_1_dequantize(self.weights, dtype)
         return kernels.q4_1_reference(self.weights).to(dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv and x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16):
+        if (self.gemv and x.shape[0] <= GEMV_MAX_ROWS and x.dtype in (torch.float32, torch.bfloat16)
+                and x.device.type == "cpu"):
             y = kernels.q4_1_matmul(self.weights, x)
         else:
             y = F.linear(x, self.dequantized(x.dtype))
