@@ -91,9 +91,12 @@ def test_loader_keeps_the_blocks_in_the_float_rows_order():
 
 
 def test_refuses_weights_without_q4_1_blocks():
-    weights = load_weights(None)  # not kept: as a safetensors folder would load
-    with pytest.raises(ValueError, match="not a GGUF"):
+    weights = load_weights(None)  # blocks not kept
+    with pytest.raises(ValueError, match="without its Q4_1 blocks"):
         build_model(weights, torch.float32, "cpu", "gguf")
+    folder = LoadedWeights(weights.config, weights.tensors, weights.tokenizer_dir, None, "f", "a-folder")
+    with pytest.raises(ValueError, match="a-folder is not a GGUF file"):  # as a safetensors folder loads
+        build_model(folder, torch.float32, "cpu", "gguf")
     no_q4 = LoadedWeights(weights.config, weights.tensors, weights.tokenizer_dir, "x.gguf", "f", "x",
                           q4_1_blocks={}, formats={"model.embed_tokens.weight": "Q8_0"})
     with pytest.raises(ValueError, match="needs Q4_1 blocks; x.gguf stores Q8_0"):

@@ -104,10 +104,12 @@ def _blocks_of(weights: LoadedWeights, fused: str, parts: tuple[str, ...]) -> to
 
 def require_q4_1(weights: LoadedWeights) -> None:
     """Refuse (ValueError) weights that are not a GGUF loaded with ``keep_q4_1`` holding Q4_1 tensors."""
+    if weights.gguf_file is None:
+        raise ValueError(f'quantization="gguf" computes with a GGUF file\'s Q4_1 blocks; {weights.name} is not a '
+                         "GGUF file (serve it without quantization, or with int8)")
     if weights.q4_1_blocks is None:
-        raise ValueError('quantization="gguf" computes with a GGUF file\'s Q4_1 blocks; '
-                         f"{weights.name} is not a GGUF file loaded with keep_q4_1 (load it without "
-                         "quantization, or use int8)")
+        raise ValueError(f'quantization="gguf": {weights.gguf_file} was loaded without its Q4_1 blocks '
+                         "(load_weights(..., keep_q4_1=True))")
     if not weights.q4_1_blocks:
         stored = sorted(set((weights.formats or {}).values()))
         raise ValueError(f'quantization="gguf" needs Q4_1 blocks; {weights.gguf_file} stores {", ".join(stored)}')
