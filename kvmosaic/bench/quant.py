@@ -1,20 +1,28 @@
-"""What weight-only int8 costs in quality and buys in speed: ``python -m kvmosaic.bench.quant``.
+"""What weight-only quantization (int8, gguf) costs in quality and buys in speed: ``python -m kvmosaic.bench.quant``.
+
+Each of ``--quantizations`` (default ``int8,gguf``: model/quant.py, model/quant_gguf.py) is
+compared with the float model on the same weights (the default path, ``--dtype``).
 
 Quality, on chat prompts of the benchmark's vocabulary (shared system prompt + a question):
 
 * free-running greedy: the int8 model's continuation against the float model's (identical
   continuations, mean position of the first difference);
 * teacher-forced on the float model's greedy continuation: top-1 agreement, the change in the
-  log-probability of each float-greedy token, and the KL divergence float -> int8 per position.
+  log-probability of each float-greedy token, and the KL divergence float -> quantized per
+  position, the quantized model's logits computed by the kernels decode runs (the GEMV
+  thresholds raised for it: a long prefill would take the dequantized GEMM, which for gguf is
+  the float model's own product).
 
-Speed, in one process, float and int8 engines taking turns: batch-1 decode step time, and the
-end-to-end time of a cache-hit request (the shared system prompt cached, a new question, 32
-tokens out). Both engines use ``--dtype`` (float32 by default) for activations and KV.
+Speed, in one process, the float and quantized engines taking turns: batch-1 decode step time
+(the ITL at c=1 without a server), and the end-to-end time of a cache-hit request (the shared
+system prompt cached, a new question, 32 tokens out). All engines use ``--dtype`` (float32 by
+default) for activations and KV.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -47,6 +55,19 @@ def all_logits(engine, token_ids: list[int]) -> torch.Tensor:
     return engine.model(ids, torch.arange(n, device=engine.device), kv, meta, None).float()
 
 
+@contextlib.contextmanager
+def decode_kernels():
+    """Every row through the quantized layers' decode kernels (GEMV), however many rows."""
+    from kvmosaic.model import quant, quant_gguf
+
+    saved = quant.GEMV_MAX_ROWS, quant_gguf.GEMV_MAX_ROWS
+    quant.GEMV_MAX_ROWS = quant_gguf.GEMV_MAX_ROWS = 1 << 30
+    try:
+        yield
+    finally:
+        quant.GEMV_MAX_ROWS, quant_gguf.GEMV_MAX_ROWS = saved
+
+
 def quality(ref_llm, q_llm, prompts: list[list[int]], max_tokens: int) -> dict:
     from kvmosaic import SamplingParams
 
@@ -59,7 +80,8 @@ def quality(ref_llm, q_llm, prompts: list[list[int]], max_tokens: int) -> dict:
         full = prompt + cont
         rows = slice(len(prompt) - 1, len(full) - 1)  # the positions that predicted `cont`
         lp_ref = torch.log_softmax(all_logits(ref_llm.engine, full)[rows], -1)
-        lp_q = torch.log_softmax(all_logits(q_llm.engine, full)[rows], -1)
+        with decode_kernels():
+            lp_q = torch.log_softmax(all_logits(q_llm.engine, full)[rows], -1)
         target = torch.tensor(cont)
         agree += (lp_q.argmax(-1) == target).tolist()
         dlogp += (lp_q.gather(1, target[:, None]) - lp_ref.gather(1, target[:, None])).abs().squeeze(1).tolist()
@@ -101,8 +123,10 @@ def hit_request_ms(llm, system_and_question: list[int], tokens: int) -> float:
 
 
 def weight_bytes(model) -> int:
+    """Bytes of the 2-D weights the model computes with (int8 / Q4_1 blocks included); a packed
+    layer's kept plain copy is counted once."""
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())
-               if t.dtype in (torch.int8, torch.float32, torch.bfloat16, torch.float16) and t.dim() == 2)
+               if t.dtype in (torch.int8, torch.uint8, torch.float32, torch.bfloat16, torch.float16) and t.dim() == 2)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -113,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantizations", default="int8,gguf", help="comma-separated, each against the float model")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--quick", action="store_true", help="3 prompts, 16 tokens, 1 repetition")
     args = p.parse_args(argv)
@@ -121,46 +146,50 @@ def main(argv: list[str] | None = None) -> int:
     from kvmosaic import LLM
 
     common = {"dtype": args.dtype, "num_threads": args.threads}
-    ref, q = LLM(**common), LLM(quantization="int8", **common)
+    names = [q for q in args.quantizations.split(",") if q]
+    llms = {"float": LLM(**common), **{q: LLM(quantization=q, **common) for q in names}}
+    ref = llms["float"]
     prompts = chat_prompts(ref.tokenizer, args.prompts, args.seed)
-    qual = quality(ref, q, prompts, args.max_tokens)
+    quals = {q: quality(ref, llms[q], prompts, args.max_tokens) for q in names}
 
     rng = random.Random(args.seed)
-    decode = {"float": [], "int8": []}
-    hit = {"float": [], "int8": []}
-    hits = chat_prompts(ref.tokenizer, 2 * args.reps + 1, args.seed + 1)
-    for llm in (ref, q):  # cache the shared system prompt (and warm up)
+    decode: dict[str, list[float]] = {k: [] for k in llms}
+    hit: dict[str, list[float]] = {k: [] for k in llms}
+    hits = chat_prompts(ref.tokenizer, len(llms) * args.reps + 1, args.seed + 1)
+    for llm in llms.values():  # cache the shared system prompt (and warm up)
         hit_request_ms(llm, hits[0], 4)
     for r in range(args.reps):
         prompt = [rng.randrange(100, 20000) for _ in range(256)]
-        order = [("float", ref), ("int8", q)] if r % 2 == 0 else [("int8", q), ("float", ref)]
+        order = list(llms.items())
+        order = order[r % len(order):] + order[: r % len(order)]  # each engine leads in turn
         for name, llm in order:
             decode[name].append(decode_step_ms(llm, prompt, args.max_tokens))
             hit_request_ms(llm, hits[0], 1)  # re-cache the system prompt after the reset
-            hit[name].append(hit_request_ms(llm, hits[1 + 2 * r + (name == "int8")], 32))
+            hit[name].append(hit_request_ms(llm, hits[1 + len(llms) * r + list(llms).index(name)], 32))
     med = {k: statistics.median(v) for k, v in decode.items()}
     med_hit = {k: statistics.median(v) for k, v in hit.items()}
     result = {
-        "dtype": args.dtype, "quality": qual,
-        "decode_step_ms": med, "decode_speedup": med["float"] / med["int8"],
-        "cache_hit_request_ms": med_hit, "cache_hit_speedup": med_hit["float"] / med_hit["int8"],
-        "weight_bytes": {"float": weight_bytes(ref.engine.model), "int8": weight_bytes(q.engine.model)},
+        "dtype": args.dtype, "quality": quals,
+        "decode_step_ms": med, "decode_speedup": {q: med["float"] / med[q] for q in names},
+        "cache_hit_request_ms": med_hit, "cache_hit_speedup": {q: med_hit["float"] / med_hit[q] for q in names},
+        "weight_bytes": {k: weight_bytes(llm.engine.model) for k, llm in llms.items()},
         "reps": args.reps, "raw": {"decode": decode, "hit": hit},
     }
-    print(f"weight-only int8 vs {args.dtype} ({qual['prompts']} chat prompts, {args.max_tokens} greedy tokens each)")
-    print("| measure | value |\n|---|---|")
-    print(f"| greedy continuations identical | {qual['greedy_identical']:.0%} (first difference at token "
-          f"{qual['greedy_first_difference_mean']:.1f} on average) |")
-    print(f"| teacher-forced top-1 agreement | {qual['teacher_forced_top1_agreement']:.1%} of {qual['tokens']} tokens |")
-    print(f"| abs. change in the float-greedy token's logprob | mean {qual['logprob_abs_change_mean']:.4f}, "
-          f"p99 {qual['logprob_abs_change_p99']:.4f}, max {qual['logprob_abs_change_max']:.4f} |")
-    print(f"| KL(float -> int8) per token | mean {qual['kl_mean']:.5f}, max {qual['kl_max']:.4f} |")
-    print(f"| batch-1 decode step, float / int8 (ms) | {med['float']:.1f} / {med['int8']:.1f} = "
-          f"**{result['decode_speedup']:.2f}x** |")
-    print(f"| cache-hit request (32 tokens out), float / int8 (ms) | {med_hit['float']:.0f} / {med_hit['int8']:.0f} = "
-          f"**{result['cache_hit_speedup']:.2f}x** |")
     wb = result["weight_bytes"]
-    print(f"| 2-D weight bytes, float / int8 | {wb['float'] / 1e6:.0f} MB / {wb['int8'] / 1e6:.0f} MB |")
+    for q, qual in quals.items():
+        print(f"\nweight-only {q} vs {args.dtype} ({qual['prompts']} chat prompts, {args.max_tokens} greedy tokens each)")
+        print("| measure | value |\n|---|---|")
+        print(f"| greedy continuations identical | {qual['greedy_identical']:.0%} (first difference at token "
+              f"{qual['greedy_first_difference_mean']:.1f} on average) |")
+        print(f"| teacher-forced top-1 agreement | {qual['teacher_forced_top1_agreement']:.1%} of {qual['tokens']} tokens |")
+        print(f"| abs. change in the float-greedy token's logprob | mean {qual['logprob_abs_change_mean']:.4f}, "
+              f"p99 {qual['logprob_abs_change_p99']:.4f}, max {qual['logprob_abs_change_max']:.4f} |")
+        print(f"| KL(float -> {q}) per token | mean {qual['kl_mean']:.5f}, max {qual['kl_max']:.4f} |")
+        print(f"| batch-1 decode step, float / {q} (ms) | {med['float']:.1f} / {med[q]:.1f} = "
+              f"**{result['decode_speedup'][q]:.2f}x** |")
+        print(f"| cache-hit request (32 tokens out), float / {q} (ms) | {med_hit['float']:.0f} / {med_hit[q]:.0f} = "
+              f"**{result['cache_hit_speedup'][q]:.2f}x** |")
+        print(f"| weight bytes (2-D weights and blocks), float / {q} | {wb['float'] / 1e6:.0f} MB / {wb[q] / 1e6:.0f} MB |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -15,15 +15,18 @@ import subprocess
 import sys
 from pathlib import Path
 
-SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "kvmosaic-hash-int8", "transformers-serve",
+SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "kvmosaic-hash-int8", "kvmosaic-hash-gguf",
+               "transformers-serve",
                "llama-cpp-server", "vllm-cpu", "llama-server")
 
 
 # ---- peers -------------------------------------------------------------------------------------
 
-KVMOSAIC_SERVE = {"kvmosaic-hash": "hash", "kvmosaic-radix": "radix", "kvmosaic-none": "none", "kvmosaic-hash-int8": "hash"}
-# Opt-in numerics, not run unless named: weight-only int8 (model/quant.py).
-KVMOSAIC_SERVE_ARGS = {"kvmosaic-hash-int8": ["--quantization", "int8"]}
+KVMOSAIC_SERVE = {"kvmosaic-hash": "hash", "kvmosaic-radix": "radix", "kvmosaic-none": "none", "kvmosaic-hash-int8": "hash",
+                  "kvmosaic-hash-gguf": "hash"}
+# Opt-in numerics, not run unless named: weight-only int8 (model/quant.py), the GGUF's own Q4_1
+# blocks (model/quant_gguf.py; its peer at the same weight bits is llama-cpp-server).
+KVMOSAIC_SERVE_ARGS = {"kvmosaic-hash-int8": ["--quantization", "int8"], "kvmosaic-hash-gguf": ["--quantization", "gguf"]}
 DEFAULT_SERVE_PEERS = tuple(p for p in SERVE_PEERS if p not in KVMOSAIC_SERVE_ARGS)
 
 # The peers installed into virtual environments of their own by the project's scripts, at the

@@ -27,7 +27,7 @@ PREFIX_CACHES = ("hash", "radix", "none")
 DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 SEGMENT_REUSE_MODES = ("off", "shift", "blend", "auto")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
-QUANTIZATION_CHOICES = ("int8",)
+QUANTIZATION_CHOICES = ("int8", "gguf")  # model.quant.QUANTIZATIONS
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
 
@@ -123,7 +123,9 @@ class EngineArgs(CliArgs):
                                 "(CUDA, AVX512-BF16, AMX), else float32", choices=DTYPE_CHOICES)
     device: str = option("auto", "auto: CUDA when there is one")
     quantization: str | None = option(None, "int8: weight-only int8 projections and LM head (faster CPU "
-                                            "decode; quality measured in BENCHMARKS.md)", choices=QUANTIZATION_CHOICES)
+                                            "decode); gguf: compute on a GGUF file's own Q4_1 blocks (4-bit, "
+                                            "no re-quantization); quality of both measured in BENCHMARKS.md",
+                                      choices=QUANTIZATION_CHOICES)
     block_size: int = option(16, "tokens per KV block (a power of two)")
     num_kv_blocks: int | None = option(None, "KV pool size in blocks (overrides --kv-cache-memory)", type=int)
     kv_cache_memory: int = option(1 << 30, "KV pool size, e.g. 1G", type=memory_size)

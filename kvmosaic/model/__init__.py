@@ -10,6 +10,7 @@ from .llama import LlamaForCausalLM
 from .loader import LoadedWeights, load_weights, shipped_model_path
 from .packed_linear import packing_supported
 from .quant import QUANTIZATIONS, quantize_int8, quantized_fingerprint
+from .quant_gguf import quantize_gguf, require_q4_1
 from .tokenizer import load_tokenizer, stop_token_ids
 
 __all__ = [
@@ -21,9 +22,13 @@ __all__ = [
 def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.device = "cpu",
                 quantization: str | None = None) -> LlamaForCausalLM:
     """The model in ``dtype`` on ``device``; ``quantization="int8"`` stores its projections and
-    LM head as int8 weights (model/quant.py), else CPU bfloat16 weights are pre-packed."""
+    LM head as int8 weights (model/quant.py), ``"gguf"`` computes them on the file's Q4_1 blocks
+    (model/quant_gguf.py: ``weights`` loaded with ``keep_q4_1``), the rest being pre-packed
+    where CPU bfloat16 is."""
     if quantization is not None and quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {quantization!r}")
+    if quantization == "gguf":
+        require_q4_1(weights)  # refuses before building
     with torch.device("meta"):
         model = LlamaForCausalLM(weights.config)
     model = model.to_empty(device=device)
@@ -34,6 +39,8 @@ def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.
         quantize_int8(model)
     elif packing_supported(dtype, torch.device(device)):
         model.pack_linears()
+    if quantization == "gguf":
+        quantize_gguf(model, weights)
     return model.eval()
 
 
@@ -66,7 +73,7 @@ def load_model_bundle(model: str | None, dtype: str, device: str, quantization: 
 @functools.lru_cache(maxsize=2)
 def _load_model_bundle(model: str | None, dtype: str, device: str, quantization: str | None,
                        rope_positions: int | None) -> ModelBundle:
-    weights = load_weights(model)
+    weights = load_weights(model, keep_q4_1=quantization == "gguf")
     built = build_model(weights, DTYPES[dtype], device, quantization)
     if rope_positions is not None:
         built.reset_rotary(device, rope_positions)

@@ -3,7 +3,8 @@
 Every loader returns a :class:`LoadedWeights`: the config, a dict of float32 tensors under
 Hugging Face names (so one model class reads them all, every family of ``families.py``), the folder and file that a
 tokenizer is read from, and a fingerprint of the weights that seeds the block hash chain.
-Nothing is downloaded.
+Nothing is downloaded. Asked to (``keep_q4_1=True``, for ``quantization="gguf"``), the GGUF
+loader also keeps each Q4_1 tensor's raw blocks, rows permuted as the float rows are.
 """
 
 from __future__ import annotations
@@ -37,6 +38,10 @@ class LoadedWeights:
     fingerprint: str
     name: str
     stop_token_ids: tuple[int, ...] = ()  # a GGUF's end-of-turn ids (tokenizer.ggml.eot/eom_token_id)
+    # keep_q4_1 only: HF name -> the file's Q4_1 blocks, uint8 [out, in / 32 * 20], row i being
+    # the blocks of ``tensors[name][i]`` (quant_gguf.py)
+    q4_1_blocks: dict[str, torch.Tensor] | None = None
+    formats: dict[str, str] | None = None  # keep_q4_1 only: HF name -> the GGUF type it is stored in
 
 
 def shipped_model_path() -> str:
@@ -68,12 +73,14 @@ def weights_fingerprint(model: str | None = None) -> str:
     return fingerprint_files([path] if path.is_file() else sorted(path.glob("*.safetensors")))
 
 
-def load_weights(model: str | None = None) -> LoadedWeights:
+def load_weights(model: str | None = None, keep_q4_1: bool = False) -> LoadedWeights:
+    """The weights of ``model`` (default: the shipped GGUF). ``keep_q4_1``: also keep a GGUF's
+    Q4_1 blocks (a safetensors folder has none: its ``q4_1_blocks`` stays None)."""
     path = Path(resolve_model(model) or shipped_model_path())
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (nothing is downloaded)")
     if path.is_file() and path.suffix == ".gguf":
-        return _load_gguf(path)
+        return _load_gguf(path, keep_q4_1)
     if path.is_dir() and (path / "config.json").exists():
         return _load_safetensors(path)
     raise ValueError(f"{path}: expected a .gguf file or a folder with config.json and *.safetensors")
@@ -88,8 +95,8 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path) -> LoadedWeights:
-    from gguf import GGUFReader, dequantize
+def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
+    from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
     reader = GGUFReader(str(path))
     fields = {}
@@ -107,6 +114,8 @@ def _load_gguf(path: Path) -> LoadedWeights:
     arch = fields.get("general.architecture")
     cfg = ModelConfig.from_hf_dict(gguf_arch.hf_config(fields, "output.weight" in names))  # refuses first
     tensors: dict[str, torch.Tensor] = {}
+    blocks: dict[str, torch.Tensor] = {}
+    formats: dict[str, str] = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # llama.cpp's Llama 3.1+ scaling: per-frequency divisors
             factors = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1).tolist()
@@ -115,13 +124,21 @@ def _load_gguf(path: Path) -> LoadedWeights:
         if hf is None:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        raw = t.data if keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1 else None
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
-            w = _unpermute_rope(w, cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads)
+            heads = cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads
+            w = _unpermute_rope(w, heads)
+            raw = None if raw is None else _unpermute_rope(raw, heads)  # whole rows: exact
+        if keep_q4_1:
+            formats[hf] = t.tensor_type.name
+        if raw is not None:
+            blocks[hf] = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
         w = gguf_arch.unfold_norm(arch, hf, w)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     name = SHIPPED_NAME if path.name == SHIPPED_FILE else path.stem
     stops = tuple(int(fields[k]) for k in STOP_FIELDS if fields.get(k) is not None)
-    return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name, stops)
+    return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name, stops,
+                         blocks if keep_q4_1 else None, formats if keep_q4_1 else None)
 
 
 # ---- safetensors ------------------------------------------------------------------------

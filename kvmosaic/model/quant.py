@@ -1,4 +1,6 @@
 """Weight-only int8 quantization (opt-in: ``quantization="int8"``, ``--quantization int8``).
+The other weight-only path, ``quantization="gguf"`` (the GGUF's own Q4_1 blocks), is
+``quant_gguf.py``; both share :data:`QUANTIZATIONS` and :func:`quantized_fingerprint`.
 
 Each projection's weight (and the LM head) is stored as int8 with one float scale per output
 channel (symmetric, ``scale = max|w_row| / 127``); activations stay in the model's dtype. Decode
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-QUANTIZATIONS = ("int8",)
+QUANTIZATIONS = ("int8", "gguf")
 GEMV_MAX_ROWS = 64  # measured on an AVX2 EPYC: the int8 GEMV beats the cast-weight GEMM up to ~100 rows
 
 

@@ -7,7 +7,11 @@ Only what torch has no fast path for lives here:
   upcasts it to float32 (``model/attention.py``);
 * :func:`rms_norm` (with the residual add) and :func:`rope_` do in one pass what takes torch
   four to ten operator calls each (``elementwise.c``): at decode, with one token per sequence,
-  those calls' dispatch is a large part of the step. They round where torch rounds.
+  those calls' dispatch is a large part of the step. They round where torch rounds;
+* :func:`q4_1_matmul` and :func:`q4_1_dequantize` compute with a GGUF's own Q4_1 blocks
+  (``q4_1_matmul.c``, for ``quantization="gguf"``: model/quant_gguf.py); checked at load
+  against a torch reference on their own (:func:`q4_1_available`), so a disagreement turns off
+  only them.
 
 The shared library is compiled once per source, compiler and CPU into
 ``$KVMOSAIC_KERNEL_CACHE`` (default ``~/.cache/kvmosaic/kernels``) in about a second, and
@@ -28,12 +32,13 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
 log = logging.getLogger("kvmosaic")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.c", "elementwise.c")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c")]
 HEADERS = [Path(__file__).with_name("bf16.h")]
 # No FMA contraction: a * b + c rounds the product as torch's separate operators do.
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
@@ -90,6 +95,8 @@ def _library() -> ctypes.CDLL | None:
         "paged_decode_attention": (i32, [ptr] * 3 + [i32] * 2 + [ptr] * 2 + [i64] * 5 + [f32, ptr, ptr, i32]),
         "rms_norm": (None, [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32]),
         "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32]),
+        "q4_1_matmul": (i32, [ptr] * 4 + [i32, i64, i64, i64, ptr, i32, i32]),
+        "q4_1_dequantize": (i32, [ptr] * 3 + [i64, i64, ptr, i32, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -191,3 +198,107 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
                     int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return x
 
+
+
+# ---- Q4_1 (quantization="gguf") ----------------------------------------------------------
+
+Q4_1_BLOCK, Q4_1_BYTES = 32, 20  # weights per block; bytes per block (fp16 d, fp16 m, 16 nibble bytes)
+
+
+class Q4_1Weights(NamedTuple):
+    """A GGUF Q4_1 tensor ``[out, in]`` split for the kernels, exactly: ``qs`` uint8
+    ``[out, in / 2]`` (each block's 16 nibble bytes as stored), ``d`` and ``m`` float32
+    ``[out, in / 32]`` (the blocks' float16 scales and minima, widened)."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+    m: torch.Tensor
+
+    @property
+    def in_features(self) -> int:
+        return self.qs.shape[1] * 2
+
+
+def q4_1_split(blocks: torch.Tensor) -> Q4_1Weights:
+    """Split Q4_1 ``blocks`` ``[out, in / 32 * 20]`` (uint8, as a GGUF file stores them)."""
+    out = blocks.shape[0]
+    b = blocks.reshape(out, -1, Q4_1_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float().reshape(out, -1)
+    m = b[..., 2:4].contiguous().view(torch.float16).float().reshape(out, -1)
+    return Q4_1Weights(b[..., 4:].reshape(out, -1).contiguous(), d.contiguous(), m.contiguous())
+
+
+def q4_1_reference(w: Q4_1Weights) -> torch.Tensor:
+    """The float32 ``[out, in]`` weights, in torch: ``d * q + m``, each step rounded to float32
+    (as gguf-py's dequantize computes)."""
+    out = w.qs.shape[0]
+    qs = w.qs.reshape(out, -1, 16)
+    q = torch.cat([qs & 0x0F, qs >> 4], dim=-1).float()  # [out, nb, 32]: low nibbles are 0..15
+    return (w.d[..., None] * q + w.m[..., None]).reshape(out, -1)
+
+
+def _q4_1_agrees(lib: ctypes.CDLL) -> bool:
+    """The kernels against :func:`q4_1_reference` on random blocks: the dequantization exactly,
+    the product within float32 summation-order noise, and each row alone equal to the batch."""
+    g = torch.Generator().manual_seed(0)
+    out, inf = 70, 96
+    blocks = torch.randint(0, 256, (out, inf // Q4_1_BLOCK, Q4_1_BYTES), generator=g, dtype=torch.uint8)
+    scales = torch.stack([torch.rand(out, inf // Q4_1_BLOCK, generator=g) * 0.01,
+                          -torch.rand(out, inf // Q4_1_BLOCK, generator=g) * 0.08], -1).half()
+    blocks[..., 0:4] = scales.view(torch.uint8).reshape(out, inf // Q4_1_BLOCK, 4)
+    w = q4_1_split(blocks.reshape(out, -1))
+    want_w = q4_1_reference(w)
+    for dtype in (torch.float32, torch.bfloat16):
+        if not torch.equal(_q4_1_dequantize(lib, w, dtype), want_w.to(dtype)):
+            return False
+        x = torch.randn(9, inf, generator=g).to(dtype)
+        y = _q4_1_matmul(lib, w, x, torch.float32)
+        want = x.float() @ want_w.T
+        alone = torch.cat([_q4_1_matmul(lib, w, x[i : i + 1], torch.float32) for i in range(9)])
+        if not (torch.allclose(y, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())) and torch.equal(y, alone)):
+            return False
+    return True
+
+
+@functools.cache
+def q4_1_available() -> bool:
+    """Whether the Q4_1 kernels are built here and agree with the torch reference."""
+    lib = _library()
+    if lib is None:
+        return False
+    if not _q4_1_agrees(lib):
+        log.warning("Q4_1 kernel disagrees with its torch reference here; gguf projections dequantize instead")
+        return False
+    return True
+
+
+def _q4_1_matmul(lib: ctypes.CDLL, w: Q4_1Weights, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    x = x.contiguous()
+    rows, inf = x.shape
+    y = torch.empty(rows, w.qs.shape[0], dtype=out_dtype)
+    rc = lib.q4_1_matmul(w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), x.data_ptr(), int(x.dtype == torch.bfloat16),
+                         rows, inf, w.qs.shape[0], y.data_ptr(), int(out_dtype == torch.bfloat16), torch.get_num_threads())
+    if rc != 0:
+        raise ValueError(f"q4_1_matmul: unsupported shape in={inf}")
+    return y
+
+
+def _q4_1_dequantize(lib: ctypes.CDLL, w: Q4_1Weights, dtype: torch.dtype) -> torch.Tensor:
+    y = torch.empty(w.qs.shape[0], w.in_features, dtype=dtype)
+    if lib.q4_1_dequantize(w.qs.data_ptr(), w.d.data_ptr(), w.m.data_ptr(), w.in_features, w.qs.shape[0], y.data_ptr(),
+                           int(dtype == torch.bfloat16), torch.get_num_threads()) != 0:
+        raise ValueError(f"q4_1_dequantize: unsupported in_features={w.in_features}")
+    return y
+
+
+def q4_1_matmul(w: Q4_1Weights, x: torch.Tensor) -> torch.Tensor:
+    """``x`` ``[rows, in]`` (float32 or bfloat16, CPU) times the transposed Q4_1 weight:
+    ``[rows, out]`` in ``x``'s dtype, float32-accumulated (numerics: ``q4_1_matmul.c``). Call
+    only where :func:`q4_1_available`."""
+    return _q4_1_matmul(_library(), w, x, x.dtype)
+
+
+def q4_1_dequantize(w: Q4_1Weights, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``[out, in]`` weight in ``dtype`` (float32 or bfloat16), equal to
+    :func:`q4_1_reference` rounded to ``dtype``. Call only where :func:`q4_1_available`."""
+    return _q4_1_dequantize(_library(), w, dtype)
