@@ -26,6 +26,7 @@ from .cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, CacheNamespace, get_h
 from .cache.manager import HashCacheManager, KVCacheManager, PlainRequest
 from .cache.radix import RadixCacheManager
 from .cache.radix_tree import common_prefix_len
+from .engine.arg_utils import QUANTIZATION_CHOICES
 from .tiers import TierStack
 
 CONTEXT_TOKENS = 8
@@ -241,7 +242,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(as `kvmosaic serve --kv-tier`; repeatable)")
     p.add_argument("--dtype", default="auto", help="the serving engine's dtype (names its blocks, with --kv-tier)")
     p.add_argument("--hash-algo", default=DEFAULT_HASH_ALGO, help="the serving engine's hash_algo (with --kv-tier)")
-    p.add_argument("--quantization", default=None, choices=["int8"],
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_CHOICES),
                    help="the serving engine's --quantization (names its blocks, with --kv-tier)")
 
 

@@ -56,7 +56,7 @@ def run(ns: argparse.Namespace) -> int:
     config = engine_args.create_engine_config(**args.engine_overrides())
     print(f"loading {config.model or 'the shipped model'} ({config.dtype}"
           f"{', chosen by --dtype auto' if engine_args.dtype == 'auto' else ''}"
-          f"{', int8 weight-only' if config.quantization == 'int8' else ''}) ...", flush=True)
+          f"{f', {config.quantization} weight-only' if config.quantization else ''}) ...", flush=True)
     publisher = args.event_publisher()
     async_engine = AsyncEngine.launch(lambda: LLMEngine(config), on_flush=publisher.publish if publisher else None)
     engine = async_engine.engine
