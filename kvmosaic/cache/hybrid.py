@@ -29,7 +29,6 @@ context to its window), so no reference is held for them.
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -37,7 +36,7 @@ from .block import KVBlock
 from .block_pool import BlockPool
 from .hashing import BlockHash, HashFn
 from .kv_groups import KVLayout
-from .manager import BlockCopy, CacheRequest, CacheSizeInfo, KVCacheManager, MatchResult, PinResult, PlainRequest
+from .manager import BlockCopy, CacheRequest, KVCacheManager, MatchResult, PinResult, PlainRequest, PooledPins
 
 Table = list[KVBlock | None]
 
@@ -55,19 +54,18 @@ class HybridMatch(MatchResult):
     group_blocks: list[Table] = field(default_factory=list)
 
 
-class HybridCacheManager(KVCacheManager):
+class HybridCacheManager(PooledPins, KVCacheManager):
     """:class:`~.manager.HashCacheManager`'s policy, per layer group (see the module docstring)."""
 
     def __init__(self, pool: BlockPool, seed: BlockHash, hash_fn: HashFn, layout: KVLayout,
                  enable_caching: bool = True) -> None:
-        super().__init__(pool, seed, hash_fn, None)
+        KVCacheManager.__init__(self, pool, seed, hash_fn, None)
+        PooledPins.__init__(self)
         self.layout = layout
         pool.groups = layout.groups
         self.enable_caching = enable_caching
         self.tables: dict[str, list[Table]] = {}
         self.num_committed: dict[str, list[int]] = {}
-        self.pins: dict[int, list[KVBlock]] = {}
-        self._pin_ids = itertools.count(1)
 
     @property
     def num_groups(self) -> int:
@@ -233,18 +231,4 @@ class HybridCacheManager(KVCacheManager):
         match = self.match_prefix(probe)
         self.hashers.pop(probe.request_id, None)
         blocks = [b for t in match.group_blocks for b in t if b is not None] if isinstance(match, HybridMatch) else []
-        if not blocks:
-            return PinResult(None, 0, 0)
-        if not self.pool.pin(blocks):
-            return PinResult(None, 0, 0, refused=True)
-        pin_id = next(self._pin_ids)
-        self.pins[pin_id] = blocks
-        return PinResult(pin_id, match.num_tokens, len(blocks))
-
-    def unpin(self, pin_id: int) -> None:
-        self.pool.unpin(self.pins.pop(pin_id))
-
-    def size_info(self) -> CacheSizeInfo:
-        free, evictable = len(self.pool.free_queue), len(self.pool.evictor)
-        return CacheSizeInfo(self.pool.num_blocks, free, evictable, self.pool.num_blocks - free - evictable,
-                             len(self.pool.cached))
+        return self._pin_blocks(blocks, match.num_tokens)

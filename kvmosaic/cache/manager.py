@@ -307,7 +307,35 @@ class KVCacheManager(ABC):
         self.pool.free_blocks(reversed(blocks), getattr(req, "priority", 0))
 
 
-class HashCacheManager(KVCacheManager):
+class PooledPins:
+    """Pins and sizes for a manager whose cached blocks live in its :class:`BlockPool` (the hash
+    chain, the hybrid layout): a pin holds its blocks' references until :meth:`unpin`."""
+
+    pool: BlockPool
+
+    def __init__(self) -> None:
+        self.pins: dict[int, list[KVBlock]] = {}
+        self._pin_ids = itertools.count(1)
+
+    def _pin_blocks(self, blocks: list[KVBlock], num_tokens: int) -> PinResult:
+        if not blocks:
+            return PinResult(None, 0, 0)
+        if not self.pool.pin(blocks):
+            return PinResult(None, 0, 0, refused=True)
+        pin_id = next(self._pin_ids)
+        self.pins[pin_id] = blocks
+        return PinResult(pin_id, num_tokens, len(blocks))
+
+    def unpin(self, pin_id: int) -> None:
+        self.pool.unpin(self.pins.pop(pin_id))
+
+    def size_info(self) -> CacheSizeInfo:
+        free, evictable = len(self.pool.free_queue), len(self.pool.evictor)
+        return CacheSizeInfo(self.pool.num_blocks, free, evictable, self.pool.num_blocks - free - evictable,
+                             len(self.pool.cached))
+
+
+class HashCacheManager(PooledPins, KVCacheManager):
     """vLLM's automatic prefix caching: full blocks named by the chained hash."""
 
     def __init__(
@@ -318,11 +346,10 @@ class HashCacheManager(KVCacheManager):
         enable_caching: bool = True,
         tiers: TierLookup | None = None,
     ) -> None:
-        super().__init__(pool, seed, hash_fn, tiers)
+        KVCacheManager.__init__(self, pool, seed, hash_fn, tiers)
+        PooledPins.__init__(self)
         self.enable_caching = enable_caching
         self.num_committed: dict[str, int] = {}  # blocks already indexed, per request
-        self.pins: dict[int, list[KVBlock]] = {}
-        self._pin_ids = itertools.count(1)
 
     def match_prefix(self, req: CacheRequest) -> MatchResult:
         if not self.enable_caching:
@@ -381,18 +408,4 @@ class HashCacheManager(KVCacheManager):
             if block is None:
                 break
             blocks.append(block)
-        if not blocks:
-            return PinResult(None, 0, 0)
-        if not self.pool.pin(blocks):
-            return PinResult(None, 0, 0, refused=True)
-        pin_id = next(self._pin_ids)
-        self.pins[pin_id] = blocks
-        return PinResult(pin_id, len(blocks) * bs, len(blocks))
-
-    def unpin(self, pin_id: int) -> None:
-        self.pool.unpin(self.pins.pop(pin_id))
-
-    def size_info(self) -> CacheSizeInfo:
-        free, evictable = len(self.pool.free_queue), len(self.pool.evictor)
-        return CacheSizeInfo(self.pool.num_blocks, free, evictable, self.pool.num_blocks - free - evictable,
-                             len(self.pool.cached))
+        return self._pin_blocks(blocks, len(blocks) * bs)
