@@ -10,9 +10,8 @@ import time
 from collections import deque
 
 from fastapi import FastAPI, Request
-from fastapi.responses import HTMLResponse
 
-from ..server.dashboard import page, require_admin
+from ..server.dashboard import add_page_routes, require_admin
 from ..server.errors import APIError
 from .dashboard_merge import merge_states
 
@@ -31,19 +30,15 @@ def record_route(app: FastAPI, tenants, request: Request, replica: str) -> None:
 
 
 def add_front_dashboard(app: FastAPI, ingress) -> None:
-    tenants, html = ingress.tenants, page()
+    tenants = ingress.tenants
 
-    @app.get("/dashboard", include_in_schema=False)
-    async def dashboard(request: Request) -> HTMLResponse:
-        require_admin(tenants, request)
-        return HTMLResponse(html, headers={"Cache-Control": "no-store"})
-
-    @app.get("/dashboard/state")
-    async def dashboard_state(request: Request) -> dict:
-        require_admin(tenants, request)
+    async def state(request: Request) -> dict:
+        """Every replica's snapshot, merged, with where the front sent the last requests."""
         answers = await ingress.each_replica("GET", "/dashboard/state", dict(request.headers))
         states = {rid: a.json() for rid, a in answers.items() if a is not None and a.status == 200}
         return merge_states(states, list(getattr(app.state, "routes", ())))
+
+    add_page_routes(app, tenants, state)
 
     @app.post("/dashboard/explain")
     async def dashboard_explain(request: Request) -> dict:

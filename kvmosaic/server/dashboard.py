@@ -19,6 +19,7 @@ import asyncio
 import base64
 import binascii
 import json
+from collections.abc import Awaitable, Callable
 from importlib import resources
 
 from fastapi import FastAPI, Request
@@ -57,8 +58,9 @@ def require_admin(tenants: TenantPolicy, request: Request) -> None:
         raise
 
 
-def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, tenants: TenantPolicy, show_text: bool = False,
-                         top_n: int = 10) -> None:
+def add_page_routes(app: FastAPI, tenants: TenantPolicy, state: Callable[[Request], Awaitable[dict]]) -> None:
+    """``/dashboard`` (the page) and ``/dashboard/state`` (what ``state`` returns), admin only:
+    one server's and the replicas' front's alike."""
     html = page()
 
     @app.get("/dashboard", include_in_schema=False)
@@ -70,7 +72,15 @@ def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, tenants: TenantPolic
     async def dashboard_state(request: Request) -> dict:
         """The cache explorer's snapshot (admin only)."""
         require_admin(tenants, request)
+        return await state(request)
+
+
+def add_dashboard_routes(app: FastAPI, engine: AsyncEngine, tenants: TenantPolicy, show_text: bool = False,
+                         top_n: int = 10) -> None:
+    async def state(_request: Request) -> dict:
         return await engine.call(lambda e: cache_state(e, show_text, top_n))
+
+    add_page_routes(app, tenants, state)
 
     @app.post("/dashboard/explain")
     async def dashboard_explain(request: Request) -> dict:
