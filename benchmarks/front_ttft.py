@@ -11,13 +11,13 @@ front's p50 cost over the single server (target: <= +20 ms). Run it on a quiet m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 
 import httpx
 
 from kvmosaic.bench.machine import describe
+from kvmosaic.bench.sse import content_deltas
 from kvmosaic.server.launch import ServerProcess
 
 SYSTEM = "You are a helpful assistant. Answer briefly and precisely. " * 60
@@ -28,15 +28,11 @@ def ttfts(url: str, requests: int, max_tokens: int, warmup: int = 3) -> list[flo
     out = []
     with httpx.Client(base_url=url, timeout=120) as client:
         for i in range(requests + warmup):
-            body = {"prompt": SYSTEM + f"Question {i}?", "max_tokens": max_tokens, "stream": True,
-                    "temperature": 0}
-            t0, first = time.perf_counter(), None
-            with client.stream("POST", "/v1/completions", json=body) as r:
-                for line in r.iter_lines():
-                    if first is None and line.startswith("data: {") and json.loads(line[6:])["choices"][0]["text"]:
-                        first = time.perf_counter() - t0
-            if i >= warmup and first is not None:
-                out.append(first)
+            body = {"prompt": SYSTEM + f"Question {i}?", "max_tokens": max_tokens, "temperature": 0}
+            t0 = time.perf_counter()
+            times = [t for t, _ in content_deltas(client, "/v1/completions", body)]
+            if i >= warmup and times:
+                out.append(times[0] - t0)
     return out
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 
 import httpx
 import jsonschema
 
 from kvmosaic.bench.machine import describe
+from kvmosaic.bench.sse import content_deltas
 from kvmosaic.server.launch import ServerProcess
 
 PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "city"],
@@ -29,19 +29,11 @@ PERSON = {"type": "object", "additionalProperties": False, "required": ["name", 
 def one(client: httpx.Client, seed: int, schema: bool, max_tokens: int) -> tuple[str, list[float]]:
     """The streamed text and the arrival time of each content chunk."""
     body = {"messages": [{"role": "user", "content": "Describe a person as JSON."}], "max_tokens": max_tokens,
-            "temperature": 1.0, "seed": seed, "stream": True}
+            "temperature": 1.0, "seed": seed}
     if schema:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
-    text, times = "", []
-    with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: {"):
-                delta = json.loads(line[6:])["choices"][0]["delta"].get("content")
-                if delta:
-                    text += delta
-                    times.append(time.perf_counter())
-    return text, times
+    chunks = list(content_deltas(client, "/v1/chat/completions", body))
+    return "".join(text for _, text in chunks), [t for t, _ in chunks]
 
 
 def valid(text: str) -> bool:
