@@ -143,7 +143,7 @@ def test_vllm_dashboard_names_are_exposed_under_the_vllm_prefix():
     from dataclasses import fields
     from types import SimpleNamespace
 
-    from kvmosaic.engine.llm_engine import EngineStats
+    from kvmosaic.engine.stats import EngineStats
     from kvmosaic.server.metrics import ServerMetrics
     from kvmosaic.server.metrics_vllm import VllmMetrics
 

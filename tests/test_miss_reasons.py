@@ -54,10 +54,9 @@ class Rig:
             self.mgr = RadixCacheManager(pool, SEED, hash_fn=get_hash_fn("sha256"), tiers=tiers)
         else:
             self.mgr = HashCacheManager(pool, SEED, get_hash_fn("sha256"), tiers=tiers)
-        self.sched = Scheduler(SchedulerConfig(4096, 8, 1 << 16), self.mgr,
-                               FailingConnector() if tiers is not None else None)
         self.lens = CacheLens(self.mgr, self.watch)
-        self.sched.lens = self.lens
+        self.sched = Scheduler(SchedulerConfig(4096, 8, 1 << 16), self.mgr,
+                               FailingConnector() if tiers is not None else None, self.lens)
         self.n = 0
         self.admissions: list[tuple[Sequence, dict, dict]] = []
         orig = self.lens.on_admit

@@ -8,8 +8,9 @@ from collections.abc import Sequence as Seq
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .llm_engine import EngineStats, LLMEngine, PromptInput, RequestOutput
+from .llm_engine import LLMEngine, PromptInput, RequestOutput
 from .sampling_params import SamplingParams
+from .stats import EngineStats
 
 log = logging.getLogger("kvmosaic")
 

@@ -21,18 +21,14 @@ import logging
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
 from ..blend.engine_hook import SegmentReuse
 from ..cache.block_pool import BlockPool
 from ..cache.events import EventLog
-from ..cache.hashing import get_hash_fn, make_seed
-from ..cache.hybrid import HybridCacheManager
-from ..cache.kv_groups import KVLayout
+from ..cache.hashing import make_seed
 from ..cache.lens import CacheLens
-from ..cache.manager import HashCacheManager, KVCacheManager, TierLookup
 from ..cache.residency import BlockResidency
 from ..cache.watch import CacheWatch
 from ..kv.connector import KVConnector
@@ -40,6 +36,7 @@ from ..kv.paged import PagedKVCache
 from ..kv.tiered import make_tier_connector
 from ..model import load_model_bundle
 from ..model.tokenizer import with_chat_template
+from .cache_setup import kv_layout_for, make_cache_manager
 from .config import EngineConfig
 from .input_processor import InputProcessor, ProcessedPrompt, PromptInput
 from .logits_processors import apply_logits_processors
@@ -50,92 +47,11 @@ from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence
+from .stats import EngineStats, ModelInfo
 from .structured import GrammarFactory, apply_grammars
 from .threads import DEFAULT_THREADS, ThreadBudget
 
 logger = logging.getLogger("kvmosaic.engine")
-
-
-@dataclass
-class EngineStats:
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    prefix_cache_hit_rate: float
-    kv_cache_usage: float
-    num_blocks: int
-    num_free_blocks: int
-    num_cached_blocks: int
-    num_running: int
-    num_waiting: int
-    num_queued_prefill_tokens: int  # prompt tokens not computed yet, waiting and running (router load)
-    num_preemptions: int
-    num_evictions: int
-    prompt_tokens: int
-    generation_tokens: int
-    kv_bytes_per_token: int
-    num_events_dropped: int = 0
-    kv_slots_allocated: int = 0  # slots of the blocks running requests hold
-    kv_slots_used: int = 0  # of those, slots holding a computed token
-    # Storage tiers: per tier (by name) counters, medium, policy, state, bytes; {} when off.
-    kv_tiers: dict = field(default_factory=dict)
-    # Live miss reasons and per-tenant figures (CacheLens.snapshot); {} when off.
-    lens: dict = field(default_factory=dict)
-    # Sampled KV block residency histograms (cache/residency.py); {} when off.
-    kv_residency: dict = field(default_factory=dict)
-    # Automatic segment reuse (blend/auto.py): requests answered from reused chunks, tokens
-    # reused, guard fallbacks.
-    auto_reuse_requests: int = 0
-    auto_reuse_tokens: int = 0
-    auto_reuse_fallbacks: int = 0
-    num_waiting_for_kv: int = 0  # requests parked while a storage tier loads their KV (WAITING_FOR_KV)
-
-
-@dataclass(frozen=True)
-class ModelInfo:
-    """What a client, a router or a storage tier must know to name this engine's KV: the
-    block hash seed is derived from ``fingerprint``, ``dtype``, ``block_size`` and
-    ``hash_algo`` (see cache/hashing.py)."""
-
-    name: str
-    fingerprint: str
-    dtype: str
-    block_size: int
-    hash_algo: str
-    max_model_len: int
-    num_kv_blocks: int
-    kv_bytes_per_token: int
-    seed: bytes
-    prefix_cache: str
-    quantization: str | None = None  # weight-only quantization (model/quant.py); in ``fingerprint`` too
-
-
-def kv_layout_for(config: EngineConfig, windows: list[int | None]) -> KVLayout:
-    """The hybrid layout (``cache/kv_groups.py``) where the model has sliding-window layers and
-    ``--kv-layout auto``; the classic one otherwise, and (logged) with the radix backend or
-    storage tiers, which keep every block (docs/ARCHITECTURE.md, "Hybrid KV layout")."""
-    layout = KVLayout.plan(windows)
-    if not layout.hybrid or config.kv_layout == "full":
-        return KVLayout.full(len(windows))
-    if config.prefix_cache == "radix" or config.kv_tiers:
-        logger.info("sliding-window layers keep the whole context's KV: the hybrid KV layout needs the hash "
-                    "prefix cache (or none) and no storage tiers")
-        return KVLayout.full(len(windows))
-    return layout
-
-
-def make_cache_manager(config: EngineConfig, pool: BlockPool, seed: bytes,
-                       tiers: TierLookup | None = None, layout: KVLayout | None = None) -> KVCacheManager:
-    """The configured backend; ``tiers``: storage tiers looked up past a pool miss; ``layout``:
-    a hybrid KV layout gets the per-group hash backend (``cache/hybrid.py``)."""
-    hash_fn = get_hash_fn(config.hash_algo)
-    pool.set_eviction_policy(config.eviction_policy)
-    if layout is not None and layout.hybrid:
-        return HybridCacheManager(pool, seed, hash_fn, layout, enable_caching=config.prefix_cache == "hash")
-    if config.prefix_cache == "radix":
-        from ..cache.radix import RadixCacheManager
-
-        return RadixCacheManager(pool, seed, eviction_policy=config.eviction_policy, hash_fn=hash_fn, tiers=tiers)
-    return HashCacheManager(pool, seed, hash_fn, enable_caching=config.prefix_cache == "hash", tiers=tiers)
 
 
 class LLMEngine:
@@ -179,15 +95,15 @@ class LLMEngine:
         self.on_iteration: Callable[[int], None] | None = None
         seed = make_seed(self.model_fingerprint, config.dtype, config.block_size, config.hash_algo)
         self.cache = make_cache_manager(config, self.pool, seed, self.tiers, self.kv_layout)
+        self.lens = CacheLens(self.cache, self.watch) if self.watch is not None else None
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                             config.scheduling_policy, fair_chunk_tokens=config.fair_share_chunk_tokens,
                             fair_decode_rows=config.fair_share_decode_rows),
             self.cache,
             KVConnector(self.tiers, config.block_size) if self.tiers is not None else None,
+            self.lens,
         )
-        self.lens = CacheLens(self.cache, self.watch) if self.watch is not None else None
-        self.scheduler.lens = self.lens
         self.runner = ModelRunner(self.model, self.kv, cascade=config.cascade_attention)
         self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint,
                                           self.tiers.stack if self.tiers is not None else None, self.tokenizer)

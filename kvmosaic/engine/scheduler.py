@@ -33,6 +33,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from ..cache.lens import CacheLens
 from ..cache.manager import KVCacheManager, MatchResult
 from ..kv.connector import KVConnector
 from .fair_share import FairShare
@@ -79,7 +80,8 @@ def _tier_failure(exc: BaseException) -> str:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, connector: KVConnector | None = None,
+                 lens: CacheLens | None = None) -> None:
         self.config = config
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
@@ -92,7 +94,7 @@ class Scheduler:
         self._express_last = False  # the last step was newcomers' alone (FairShare.newcomers)
         self.loading: dict[str, Sequence] = {}
         # Live miss reasons and per-tenant figures (cache/lens.py; None: off), told of each admission.
-        self.lens = None
+        self.lens = lens
 
     @property
     def tiers(self):

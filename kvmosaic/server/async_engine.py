@@ -34,8 +34,9 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..engine.input_processor import PromptInput
-from ..engine.llm_engine import EngineStats, LLMEngine, ModelInfo, RequestOutput
+from ..engine.llm_engine import LLMEngine, RequestOutput
 from ..engine.sampling_params import SamplingParams
+from ..engine.stats import EngineStats, ModelInfo
 
 log = logging.getLogger("kvmosaic.server")
 

@@ -43,8 +43,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.llm_engine import EngineStats, ModelInfo
 from ..engine.output_processor import RequestOutput
+from ..engine.stats import EngineStats, ModelInfo
 from .metrics import PREFIX, TTFT_BUCKETS, ServerMetrics
 
 PREFIX_RE = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
