@@ -3,7 +3,7 @@
 A tier maps a block's chain hash (``bytes``) to an encoded value (``bytes``, see format.py). It
 stores bytes only: checking what comes back is the TierStack's job (stack.py).
 
-Invariants each tier keeps (held by tests/test_tiers_stores.py and tests/test_tiers_redis.py):
+Invariants each tier keeps (held by tests/test_tiers_host.py, test_tiers_disk.py and tests/test_tiers_redis.py):
 
 - bounded: ``used_bytes <= capacity_bytes`` after every call (Redis bounds itself: maxmemory);
 - a value is visible whole or not at all (no partial reads after a crash or an error);

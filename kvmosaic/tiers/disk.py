@@ -2,7 +2,7 @@
 
 Layout: ``<root>/<first 2 hex digits>/<hex key>.kv`` (a 256-way fan-out keeps directories small).
 
-Invariants (tests/test_tiers_stores.py):
+Invariants (tests/test_tiers_disk.py):
 
 - atomic writes: a value is written to ``.<hex>.<pid>.<random>.tmp`` in the same directory,
   flushed and fsynced, then ``os.replace``d onto its name. A crash at any point leaves the old

@@ -1,6 +1,6 @@
 """HostTier: encoded KV blocks in process RAM, LRU, bounded in bytes.
 
-Invariants (tests/test_tiers_stores.py): ``used_bytes`` equals the sum of the stored values'
+Invariants (tests/test_tiers_host.py): ``used_bytes`` equals the sum of the stored values'
 lengths and never exceeds ``capacity_bytes``; ``get`` and ``put`` make a key the most recently
 used; eviction takes the least recently used first; a value larger than the whole budget is
 refused (``put`` returns False) without evicting anything. Thread-safe (the LruIndex's lock,

@@ -3,7 +3,7 @@
 ``submit`` returns a ``concurrent.futures.Future`` whose result is a verified
 :class:`~kvmosaic.tiers.stack.Loaded` or None, and which carries ``deadline`` (a
 ``time.monotonic()`` value) so a scheduler can poll ``done()`` and give up on its own.
-Invariants (tests/test_tiers_stores.py::test_loader_*):
+Invariants (tests/test_tiers_stack.py::test_loader_*):
 
 - a future never raises: an exception inside a load is counted in ``failed_loads`` and resolves
   to None (a miss);

@@ -22,7 +22,7 @@ E = TypeVar("E")
 class LruIndex(Generic[E]):
     """Keys from least to most recently used, each with an entry of ``size_of(entry)`` bytes.
 
-    Invariant (tests/test_tiers_stores.py): ``used_bytes`` equals the sum of the entries' sizes
+    Invariant (tests/test_tiers_host.py): ``used_bytes`` equals the sum of the entries' sizes
     at all times, and is at most ``capacity_bytes`` whenever ``insert`` or ``evict_to`` returns:
     ``insert`` evicts from the least recently used end until the budget holds (the caller refuses
     an entry larger than the whole budget beforehand, so the new entry itself is never evicted).

@@ -22,7 +22,7 @@ policy are read from the right. Examples::
     redis://127.0.0.1:6379           redis://cache:6379/0?ttl=3600&timeout=0.2&capacity=8GiB
 
 Default policies: host ``write_back``, disk and redis ``write_through`` (see base.Policy).
-Held by tests/test_tiers_stores.py::test_parse_*. See docs/ARCHITECTURE.md (storage tiers).
+Held by tests/test_tiers_stack.py::test_parse_*. See docs/ARCHITECTURE.md (storage tiers).
 """
 
 from __future__ import annotations

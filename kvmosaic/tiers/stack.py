@@ -7,7 +7,7 @@
   the expected :class:`~kvmosaic.tiers.format.BlockMeta`. Invariant: a payload is returned only
   if every format check passes; a value that fails one is counted in that tier's
   ``stats.corrupt`` (by reason), deleted from that tier, and the next tier is tried — wrong KV is
-  never returned (tests/test_tiers_stores.py, tests/test_tiers_redis.py).
+  never returned (tests/test_tiers_stack.py, tests/test_tiers_redis.py).
 - ``store(key, meta, payload, trigger, hits)`` encodes and writes to each tier whose policy
   wants the block on that trigger (see base.Policy); ``put_block`` to given tiers.
 
@@ -20,7 +20,7 @@ disk and Redis tiers are checksum-only: they trust every writer, and building su
 a warning saying so.
 
 Byte accounting of every tier stays exact under any sequence of these calls
-(tests/test_tiers_stores.py::TierStackMachine). See docs/ARCHITECTURE.md (storage tiers).
+(tests/test_tiers_stack.py::TierStackMachine). See docs/ARCHITECTURE.md (storage tiers).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Invariant: counters only grow (``reset()`` aside); ``snapshot()`` is a consistent copy taken under
 the lock, safe to call from any thread while the engine thread and the loader thread record.
-Held by tests/test_tiers_stores.py.
+Held by tests/test_tiers_host.py.
 """
 
 from __future__ import annotations
