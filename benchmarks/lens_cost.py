@@ -35,6 +35,7 @@ from kvmosaic.cache.lens import CacheLens
 from kvmosaic.cache.manager import HashCacheManager
 from kvmosaic.cache.radix import RadixCacheManager
 from kvmosaic.cache.watch import CacheWatch
+from kvmosaic.engine.dry_run import dry_step
 from kvmosaic.engine.sampling_params import SamplingParams
 from kvmosaic.engine.scheduler import Scheduler, SchedulerConfig
 from kvmosaic.engine.sequence import Sequence
@@ -81,22 +82,13 @@ def bookkeeping(backend: str, lens_on: bool, prompts: list[list[int]], max_token
     pool = BlockPool(600, 16, observer=watch)
     mgr = RadixCacheManager(pool, seed, hash_fn=get_hash_fn("sha256")) if backend == "radix" \
         else HashCacheManager(pool, seed, get_hash_fn("sha256"))
-    sched = Scheduler(SchedulerConfig(4096, 16, 1 << 16), mgr)
-    sched.lens = CacheLens(mgr, watch) if lens_on else None
+    sched = Scheduler(SchedulerConfig(4096, 16, 1 << 16), mgr, lens=CacheLens(mgr, watch) if lens_on else None)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     c = time.thread_time()
     for i, p in enumerate(prompts):
         sched.add(Sequence(f"r{i}", None, p, params))
     while sched.has_unfinished():
-        out = sched.schedule()
-        mgr.take_pending_copies()
-        sched.update(out)
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(7)
-                if len(seq.output_token_ids) >= max_tokens:
-                    sched.finish(seq, "length")
+        dry_step(sched, max_tokens)
     return (time.thread_time() - c) / len(prompts)
 
 

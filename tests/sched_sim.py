@@ -15,6 +15,7 @@ from kvmosaic.cache.block_pool import BlockPool
 from kvmosaic.cache.hashing import get_hash_fn, make_seed
 from kvmosaic.cache.manager import HashCacheManager, KVCacheManager
 from kvmosaic.cache.radix import RadixCacheManager
+from kvmosaic.engine.dry_run import dry_step
 from kvmosaic.engine.sampling_params import SamplingParams
 from kvmosaic.engine.scheduler import Scheduler, SchedulerConfig
 from kvmosaic.engine.sequence import Sequence
@@ -66,18 +67,10 @@ def simulate(prompts: list[list[int]], backend: str, policy: str, num_blocks: in
     admitted_at: dict[str, int] = {}
     steps = 0
     while sched.has_unfinished():
-        out = sched.schedule()
+        out = dry_step(sched, max_tokens)
         steps += 1
         for s in out.scheduled:
             admitted_at.setdefault(s.seq.request_id, steps)
-        mgr.take_pending_copies()
-        sched.update(out)
-        for s in out.scheduled:
-            seq = s.seq
-            if seq.num_computed_tokens == seq.num_tokens:
-                seq.append_token(7)
-                if len(seq.output_token_ids) >= max_tokens:
-                    sched.finish(seq, "length")
         if steps > 100_000:
             raise RuntimeError("the simulation does not terminate")
     # Rounds a request waited beyond its FCFS turn (a proxy for the starvation bound).
