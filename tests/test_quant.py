@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmosaic import SamplingParams
-from kvmosaic.bench.quant import all_logits, chat_prompts
+from kvmosaic.bench.quant import chat_prompts, quality
 from kvmosaic.engine.config import EngineConfig
 from kvmosaic.model.quant import GEMV_MAX_ROWS, Int8LogitsHead, Int8WeightOnlyLinear
 from tests.conftest import make_llm
@@ -85,19 +85,9 @@ def test_int8_stays_within_the_measured_tolerance_of_the_float_model(engines):
     """Teacher-forced on the float model's greedy continuation (BENCHMARKS.md has the figures
     of `python -m kvmosaic.bench.quant`): top-1 agreement and KL per token bounded."""
     ref, q = engines
-    prompts = chat_prompts(ref.tokenizer, 2, seed=0)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    conts = [o.token_ids for o in ref.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    agree = kl = n = 0
-    for prompt, cont in zip(prompts, conts):
-        rows = slice(len(prompt) - 1, len(prompt) + len(cont) - 1)
-        a = torch.log_softmax(all_logits(ref.engine, prompt + cont)[rows], -1)
-        b = torch.log_softmax(all_logits(q.engine, prompt + cont)[rows], -1)
-        agree += (b.argmax(-1) == torch.tensor(cont)).sum().item()
-        kl += (a.exp() * (a - b)).sum().item()
-        n += len(cont)
-    assert agree / n >= 0.9, f"top-1 agreement {agree / n:.3f}"
-    assert kl / n < 0.01, f"mean KL {kl / n:.5f}"
+    got = quality(ref, q, chat_prompts(ref.tokenizer, 2, seed=0), max_tokens=24)
+    assert got["teacher_forced_top1_agreement"] >= 0.9, got
+    assert got["kl_mean"] < 0.01, got
 
 
 def test_int8_outputs_equal_with_the_cache_on_and_off():

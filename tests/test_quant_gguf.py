@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmosaic import SamplingParams
-from kvmosaic.bench.quant import all_logits, chat_prompts
+from kvmosaic.bench.quant import chat_prompts, quality
 from kvmosaic.model import build_model, kernels
 from kvmosaic.model.loader import LoadedWeights, load_weights, shipped_model_path
 from kvmosaic.model.quant_gguf import GEMV_MAX_ROWS, Q4_1Linear
@@ -135,19 +135,9 @@ def test_gguf_bfloat16_stays_close_to_the_default_path():
     """In bfloat16 the default path rounds the weights to 8 bits, gguf does not (the figures of
     `python -m kvmosaic.bench.quant`, BENCHMARKS.md): top-1 agreement and KL per token bounded."""
     ref, q = make_llm(dtype="bfloat16"), make_llm(dtype="bfloat16", quantization="gguf")
-    prompts = chat_prompts(ref.tokenizer, 2, seed=0)
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-    conts = [o.token_ids for o in ref.generate([{"prompt_token_ids": p} for p in prompts], params)]
-    agree = kl = n = 0
-    for prompt, cont in zip(prompts, conts):
-        rows = slice(len(prompt) - 1, len(prompt) + len(cont) - 1)
-        a = torch.log_softmax(all_logits(ref.engine, prompt + cont)[rows], -1)
-        b = torch.log_softmax(all_logits(q.engine, prompt + cont)[rows], -1)
-        agree += (b.argmax(-1) == torch.tensor(cont)).sum().item()
-        kl += (a.exp() * (a - b)).sum().item()
-        n += len(cont)
-    assert agree / n >= 0.9, f"top-1 agreement {agree / n:.3f}"
-    assert kl / n < 0.01, f"mean KL {kl / n:.5f}"
+    got = quality(ref, q, chat_prompts(ref.tokenizer, 2, seed=0), max_tokens=24)
+    assert got["teacher_forced_top1_agreement"] >= 0.9, got
+    assert got["kl_mean"] < 0.01, got
 
 
 def test_gguf_outputs_equal_with_the_cache_on_and_off():

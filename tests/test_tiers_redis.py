@@ -12,27 +12,16 @@ import uuid
 
 import pytest
 
-from kvmosaic.tiers import BlockMeta, TierStack, encode_block, parse_tier_spec
+from kvmosaic.tiers import TierStack, encode_block, parse_tier_spec
 from kvmosaic.tiers.redis_server import RedisServer, find_redis_server
 
 redis = pytest.importorskip("redis", reason="the 'tiers' extra (redis-py) is not installed")
 if find_redis_server() is None:  # scripts/setup.sh installs one; say so loudly rather than skip
     pytest.fail("no redis-server binary found: run scripts/setup.sh", pytrace=False)
 
+from tier_blocks import key, meta, payload  # noqa: E402
+
 from kvmosaic.tiers.redis_tier import RedisTier  # noqa: E402 - after the checks above
-
-
-def key(i: int) -> bytes:
-    return i.to_bytes(4, "big") * 4
-
-
-def meta(i: int, n: int = 64, fingerprint: str = "model-a") -> BlockMeta:
-    return BlockMeta(fingerprint=fingerprint, dtype="uint8", block_size=4, layout="N", shape=(n,),
-                     token_ids=(i, i + 1, i + 2, i + 3), block_hash=key(i))
-
-
-def payload(i: int, n: int = 64) -> bytes:
-    return bytes([i % 251]) * n
 
 
 @pytest.fixture(scope="module")
