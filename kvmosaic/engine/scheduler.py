@@ -50,7 +50,7 @@ class SchedulerConfig:
     # While several tenants are active, the prefill tokens a step gives the most-served tenant at
     # most (FairShare.chunk_caps); 0: no limit.
     fair_chunk_tokens: int = 0
-    # ... and the decodes a step gives it at most, in turn (FairShare.decode_caps); 0: no limit.
+    # ... and the decodes a step gives it at most, in turn (FairShare.order_running); 0: no limit.
     fair_decode_rows: int = 0
 
 
