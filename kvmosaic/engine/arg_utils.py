@@ -131,12 +131,16 @@ class EngineArgs(CliArgs):
     kv_cache_memory: int = option(1 << 30, "KV pool size, e.g. 1G", type=memory_size)
     max_num_batched_tokens: int = option(2048, "tokens computed per step at most (chunked prefill)")
     max_num_seqs: int = option(64, "requests running at once at most")
-    fair_share_chunk_tokens: int = option(128, "while several tenants are active, the prefill tokens a step "
+    fair_share_chunk_tokens: int = option(32, "while several tenants are active, the prefill tokens a step "
                                                "gives the most-served tenant at most, so another tenant's "
                                                "newcomer waits for a short step (0: no limit)")
-    fair_share_decode_rows: int = option(16, "while several tenants are active, the decodes a step gives the "
+    fair_share_decode_rows: int = option(8, "while several tenants are active, the decodes a step gives the "
                                              "most-served tenant at most, in turn (each skipped one goes first "
                                              "next step), so the step a newcomer waits for is short (0: no limit)")
+    fair_share_anticipation_ms: float = option(10.0, "while another tenant has work, hold the next step up to this "
+                                                     "long for a tenant that sends one request at a time and has "
+                                                     "been sending its next within it (engine/anticipation.py; "
+                                                     "0: never)")
     cascade_attention: bool = option(True, "decodes sharing a cached prefix attend it once for all, where that "
                                            "is faster: not with the CPU decode kernel, which reads it per row "
                                            "faster (--no-cascade-attention: never)")

@@ -44,9 +44,10 @@ class EngineConfig(EngineArgs):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
-        if self.fair_share_chunk_tokens < 0 or self.fair_share_decode_rows < 0:
-            raise ValueError("fair_share_chunk_tokens and fair_share_decode_rows must be >= 0, got "
-                             f"{self.fair_share_chunk_tokens} and {self.fair_share_decode_rows}")
+        if min(self.fair_share_chunk_tokens, self.fair_share_decode_rows, self.fair_share_anticipation_ms) < 0:
+            raise ValueError("fair_share_chunk_tokens, fair_share_decode_rows and fair_share_anticipation_ms "
+                             f"must be >= 0, got {self.fair_share_chunk_tokens}, {self.fair_share_decode_rows} "
+                             f"and {self.fair_share_anticipation_ms}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
         if self.scheduling_policy not in ("fcfs", "lpm"):

@@ -99,7 +99,8 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                             config.scheduling_policy, fair_chunk_tokens=config.fair_share_chunk_tokens,
-                            fair_decode_rows=config.fair_share_decode_rows),
+                            fair_decode_rows=config.fair_share_decode_rows,
+                            fair_anticipation=config.fair_share_anticipation_ms / 1e3),
             self.cache,
             KVConnector(self.tiers, config.block_size) if self.tiers is not None else None,
             self.lens,
@@ -145,11 +146,13 @@ class LLMEngine:
         priority: int = 0,
         tenant: str | None = None,
         grammar: object | None = None,
+        arrival_time: float | None = None,
     ) -> Sequence:
         """Queue a prompt the :attr:`inputs` processor already tokenised and validated;
         ``tenant`` names who sent it, for fair share (engine/fair_share.py); ``grammar``: the
         matcher for ``params.json_schema``, compiled beforehand (``grammars.matcher``, off the
-        engine thread), or None to compile it here."""
+        engine thread), or None to compile it here; ``arrival_time``: when the request reached
+        the server (``time.perf_counter``; default now), where its queue time and TTFT start."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -167,6 +170,8 @@ class LLMEngine:
         seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params,
                        processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks,
                        tenant=tenant)
+        if arrival_time is not None:
+            seq.arrival_time = arrival_time
         seq.grammar = grammar
         seq.segments = processed.segments if self.segment_reuse.enabled else None
         self.requests[request_id] = seq
@@ -363,6 +368,9 @@ class LLMEngine:
             kv_residency=self.pool.residency.snapshot() if self.pool.residency is not None else {},
             **self._auto_stats(),
             **self._slot_usage(),
+            anticipation_holds=self.scheduler.anticipation.holds,
+            anticipation_hits=self.scheduler.anticipation.hits,
+            anticipation_held_seconds=self.scheduler.anticipation.held_seconds,
         )
 
     def kv_bytes_held(self, request_id: str) -> int:

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from ..cache.lens import CacheLens
 from ..cache.manager import KVCacheManager, MatchResult
 from ..kv.connector import KVConnector
+from .anticipation import Anticipation
 from .fair_share import FairShare
 from .sequence import Sequence, SequenceStatus
 
@@ -52,6 +53,9 @@ class SchedulerConfig:
     fair_chunk_tokens: int = 0
     # ... and the decodes a step gives it at most, in turn (FairShare.order_running); 0: no limit.
     fair_decode_rows: int = 0
+    # Seconds the next step may wait for a tenant that sends one request at a time to send its
+    # next (engine/anticipation.py); 0: never.
+    fair_anticipation: float = 0.0
 
 
 @dataclass
@@ -92,6 +96,7 @@ class Scheduler:
         self.connector = connector
         self.fair = FairShare()  # tenants share the step budget and the slots (engine/fair_share.py)
         self._express_last = False  # the last step was newcomers' alone (FairShare.newcomers)
+        self.anticipation = Anticipation(config.fair_anticipation)
         self.loading: dict[str, Sequence] = {}
         # Live miss reasons and per-tenant figures (cache/lens.py; None: off), told of each admission.
         self.lens = lens
@@ -108,7 +113,19 @@ class Scheduler:
         self.connector = KVConnector(tiers, self.kv.block_size) if tiers is not None else None
 
     def add(self, seq: Sequence) -> None:
+        self.anticipation.arrived(seq.tenant, seq.arrival_time)
         self.waiting.append(seq)
+
+    def hold(self) -> float:
+        """Seconds to hold the next step for a one-request-at-a-time tenant's next request
+        (engine/anticipation.py); 0: step now."""
+        return self.anticipation.hold(self.fair.tenants(self.running, self.waiting), self.fair.served)
+
+    def _left(self, seq: Sequence) -> None:
+        """``seq`` left the engine: when it was its tenant's last, the tenant went idle."""
+        if not any(s.tenant == seq.tenant for group in (self.running, self.waiting, self.loading.values())
+                   for s in group):
+            self.anticipation.went_idle(seq.tenant)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.loading)
@@ -118,15 +135,18 @@ class Scheduler:
             if seq.request_id == request_id:
                 self.running.remove(seq)
                 self._release(seq)
+                self._left(seq)
                 return seq
         for seq in list(self.waiting):
             if seq.request_id == request_id:
                 self.waiting.remove(seq)
                 self._release(seq)
+                self._left(seq)
                 return seq
         seq = self.loading.pop(request_id, None)
         if seq is not None:
             self._release(seq)
+            self._left(seq)
         return seq
 
     def fork(self, parent: Sequence, child: Sequence) -> bool:
@@ -390,3 +410,4 @@ class Scheduler:
         if seq in self.running:
             self.running.remove(seq)
         self._release(seq)
+        self._left(seq)

@@ -38,6 +38,11 @@ class EngineStats:
     auto_reuse_tokens: int = 0
     auto_reuse_fallbacks: int = 0
     num_waiting_for_kv: int = 0  # requests parked while a storage tier loads their KV (WAITING_FOR_KV)
+    # Anticipation (engine/anticipation.py): idle periods of one-request-at-a-time tenants the
+    # next step was held for, how many of those tenants came back inside the hold, seconds held.
+    anticipation_holds: int = 0
+    anticipation_hits: int = 0
+    anticipation_held_seconds: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,7 @@ import concurrent.futures
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -197,6 +198,7 @@ class AsyncEngine:
         order (the engine forks samples 1..n-1 once the prompt is computed; their request ids
         are ``LLMEngine.child_request_ids``). Abort every stream's request to cancel it."""
         loop = asyncio.get_running_loop()
+        arrival = time.perf_counter()
         rid = f"req-{uuid.uuid4().hex}"
         processed = await asyncio.to_thread(self.engine.inputs.process, prompt, cache_salt)
         params = make_params(len(processed.prompt_token_ids))
@@ -206,7 +208,8 @@ class AsyncEngine:
         streams = [RequestStream(i, loop) for i in (rid, *LLMEngine.child_request_ids(rid, params.n))]
 
         def add(engine: LLMEngine) -> None:
-            engine.add_processed(processed, params, request_id=rid, tenant=tenant, grammar=grammar)
+            engine.add_processed(processed, params, request_id=rid, tenant=tenant, grammar=grammar,
+                                 arrival_time=arrival)
             for s in streams:
                 self._streams[s.request_id] = s
 
@@ -252,11 +255,12 @@ class AsyncEngine:
         except Exception:
             log.exception("counting a %s failed", kind)
 
-    def _run_calls(self, block: bool) -> None:
+    def _run_calls(self, wait: float) -> bool:
+        """Run the calls queued, waiting up to ``wait`` seconds for the first; False: none came."""
         try:
-            fn, fut = self._calls.get(timeout=0.5) if block else self._calls.get_nowait()
+            fn, fut = self._calls.get(timeout=wait) if wait > 0 else self._calls.get_nowait()
         except queue.Empty:
-            return
+            return False
         while True:
             try:
                 result = fn(self.engine)
@@ -271,7 +275,7 @@ class AsyncEngine:
             try:
                 fn, fut = self._calls.get_nowait()
             except queue.Empty:
-                return
+                return True
 
     def _step(self) -> None:
         try:
@@ -303,9 +307,23 @@ class AsyncEngine:
             except Exception:
                 log.exception("publishing cache events failed")
 
+    def _anticipate(self) -> None:
+        """Hold the next step while the scheduler expects a one-request-at-a-time tenant's next
+        request (engine/anticipation.py), running calls as they come."""
+        scheduler = self.engine.scheduler
+        while (wait := scheduler.hold()) > 0:
+            t0 = time.perf_counter()
+            came = self._run_calls(wait)
+            scheduler.anticipation.waited(time.perf_counter() - t0)
+            if not came:
+                return
+
     def _loop(self) -> None:
         while not self._stopping.is_set():
-            self._run_calls(block=not self.engine.has_unfinished_requests())
+            busy = self.engine.has_unfinished_requests()
+            self._run_calls(0.0 if busy else 0.5)
+            if busy:
+                self._anticipate()
             if self.engine.has_unfinished_requests():
                 self._step()
             self._flush()

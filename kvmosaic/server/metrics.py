@@ -24,7 +24,8 @@ state) and the histogram ``kvmosaic:kv_tier_load_latency_seconds``;
 
 and our own: ``kvmosaic:kv_cache_num_blocks``, ``kvmosaic:kv_cache_free_blocks`` (free or
 evictable), ``kvmosaic:kv_cache_cached_blocks`` (indexed), ``kvmosaic:kv_cache_evictions_total`` (both
-backends) and ``kvmosaic:kv_events_dropped_total``. Counters and gauges are read at scrape
+backends), ``kvmosaic:kv_events_dropped_total`` and ``kvmosaic:fair_share_anticipation_holds_total`` /
+``_hits_total`` / ``_held_seconds_total`` (engine/anticipation.py). Counters and gauges are read at scrape
 time from a snapshot the engine thread takes for that scrape, so they cannot drift from what
 the engine counts.
 """
@@ -84,6 +85,12 @@ class EngineCollector(Collector):
                       getattr(st, "auto_reuse_tokens", 0))
         yield counter("auto_reuse_fallbacks", "Requests whose drift estimate exceeded --auto-reuse-max-drift: "
                       "recomputed from the first reused token.", getattr(st, "auto_reuse_fallbacks", 0))
+        yield counter("fair_share_anticipation_holds", "Idle periods of one-request-at-a-time tenants the next "
+                      "step was held for (--fair-share-anticipation-ms).", getattr(st, "anticipation_holds", 0))
+        yield counter("fair_share_anticipation_hits", "Of those, the tenant's next request came inside the hold.",
+                      getattr(st, "anticipation_hits", 0))
+        yield counter("fair_share_anticipation_held_seconds", "Seconds the engine held steps for them.",
+                      getattr(st, "anticipation_held_seconds", 0.0))
         yield from tier_metrics(getattr(st, "kv_tiers", None) or {}, self.model_name)
 
 
