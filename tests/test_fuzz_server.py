@@ -7,7 +7,8 @@ Holds: every answer is 2xx or 4xx, never 5xx; every 4xx is in OpenAI's error sha
 traceback in the server's log; the server is up and its pool idle afterwards; the victim's
 longest gap between two chunks and the longest ping stay under ``BOUND_S``.
 
-Slow (minutes): ``pytest -m slow tests/test_fuzz_server.py``. Accepted (positive) bodies are
+One server process, and ``--replicas 2`` (the front and two Ray Serve replicas: the same checks
+through the router). Slow (minutes each): ``pytest -m slow tests/test_fuzz_server.py``. Accepted (positive) bodies are
 capped at ``MAX_NEW_TOKENS`` completion tokens so that a thousand of them fit a CPU run; the
 caps and checks of the schema itself are fuzzed as generated.
 """
@@ -118,18 +119,20 @@ def cap_new_tokens(case) -> None:
             body["prompt"] = body["prompt"][:2]
 
 
-def wait_idle(proc: ServerProcess, timeout: float = 60) -> dict:
+def wait_idle(proc: ServerProcess, timeout: float = 60) -> list[dict]:
+    """Every engine's /health once all are idle (or at the deadline)."""
     deadline = time.monotonic() + timeout
     while True:
-        h = proc.health()
-        if (h["kv"]["num_used_blocks"] == 0 and h["requests"] == {"running": 0, "waiting": 0}) \
+        hs = proc.pool_healths()
+        if all(h["kv"]["num_used_blocks"] == 0 and h["requests"] == {"running": 0, "waiting": 0} for h in hs) \
                 or time.monotonic() > deadline:
-            return h
+            return hs
         time.sleep(0.5)
 
 
-def test_schemathesis_against_a_real_server():
-    with ServerProcess("--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256") as proc:
+@pytest.mark.parametrize("mode", [[], ["--replicas", "2"]], ids=["one-process", "replicas-2"])
+def test_schemathesis_against_a_real_server(mode):
+    with ServerProcess("--dtype", "float32", "--num-kv-blocks", "64", "--max-model-len", "256", *mode) as proc:
         schema = schemathesis.openapi.from_url(proc.url + "/openapi.json")
         raw = httpx.get(proc.url + "/openapi.json").json()
         for path in ("/v1/completions", "/v1/chat/completions"):
@@ -188,7 +191,7 @@ def test_schemathesis_against_a_real_server():
         assert not beside.errors, beside.errors[:5]
         assert proc.alive()
         assert "Traceback" not in proc.output(), proc.output()[-3000:]
-        health = wait_idle(proc)
-        assert health["kv"]["num_used_blocks"] == 0, health
+        healths = wait_idle(proc)
+        assert all(h["kv"]["num_used_blocks"] == 0 for h in healths), healths
         assert beside.gaps and longest_gap <= BOUND_S, f"victim's longest gap {longest_gap:.3f} s"
         assert longest_ping <= BOUND_S, f"longest /health/live {longest_ping:.3f} s"

@@ -11,9 +11,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ..server import errors
+from ..server.app import add_request_schemas, request_body
 from ..server.drain import RETRY_AFTER_S, DrainMiddleware
 from ..server.errors import APIError
 from ..server.limits import BodyReadTimeout, BodySizeLimit, HeaderLimits
+from ..server.protocol import ChatCompletionRequest, CompletionRequest
 from .dashboard_routes import add_front_dashboard, record_route
 from .metrics_merge import merge_replica_metrics
 
@@ -50,13 +52,17 @@ def build_front(ingress: OpenAIIngress) -> FastAPI:
         except ReplicaUnavailable as e:
             raise APIError(503, str(e), code="no_replica", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
 
-    @app.post("/v1/completions")
+    # The bodies are forwarded as they came (a replica parses them, off its event loop); the
+    # schema says what they must hold, as one server's does (clients, fuzzers).
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await forward(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat(request: Request) -> Response:
         return await forward(request, chat=True)
+
+    add_request_schemas(app, CompletionRequest, ChatCompletionRequest)
 
     async def forward_as_is(request: Request) -> Response:
         return await forward(request)
