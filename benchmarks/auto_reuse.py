@@ -144,11 +144,11 @@ def edit_requests(n: int, rng: random.Random, tok) -> tuple[list[str], list[Req]
 
 
 class Harness:
-    def __init__(self, dtype: str, ratio: float, max_drift: float) -> None:
+    def __init__(self, dtype: str, ratio: float, max_drift: float, head: int = 0) -> None:
         self.llm = LLM(dtype=dtype, num_kv_blocks=2048, segment_cache_memory=2 << 30, segment_reuse="auto",
-                       blend_ratio=ratio, auto_reuse_max_drift=max_drift)
+                       blend_ratio=ratio, auto_reuse_max_drift=max_drift, blend_head_tokens=head)
         self.engine, self.tok = self.llm.engine, self.llm.tokenizer
-        self.opts = BlendOptions("auto", ratio, floor=AUTO_FLOOR)
+        self.opts = BlendOptions("auto", ratio, floor=AUTO_FLOOR, head=head)
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -272,6 +272,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8, help="measured requests per workload")
     ap.add_argument("--ratio", type=float, default=0.15, help="blend_ratio")
+    ap.add_argument("--head", type=int, default=0, help="blend_head_tokens")
     ap.add_argument("--max-drift", type=float, default=0.03, help="auto_reuse_max_drift (the guard's bound)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
@@ -282,7 +283,7 @@ def main() -> None:
     args = ap.parse_args()
     print(describe(), flush=True)
     rng = random.Random(args.seed)
-    h = Harness(args.dtype, args.ratio, args.max_drift)
+    h = Harness(args.dtype, args.ratio, args.max_drift, args.head)
     if args.no_reuse_only:
         h.engine.segment_reuse.auto  # noqa: B018 - build the chunk rule before timing
         off, on = no_reuse(h, args.rounds, 8, rng)

@@ -139,3 +139,23 @@ def test_a_separator_marks_segments_in_a_text_prompt(llm):
         assert first.prompt_token_ids == as_dict.token_ids
     finally:
         e.inputs.segment_separator = None
+
+
+def test_head_tokens_of_every_reused_segment_are_recomputed(llm):
+    """``blend_head_tokens``: the first tokens of each reused segment are computed in full (EPIC's
+    LegoLink), the rest reused as before; with every token a head token it is a full prefill."""
+    llm.engine.segment_reuse.store.clear()
+    run(llm, DOCS, mode="blend")
+    order = [DOCS[1], DOCS[2], DOCS[0]]
+    seg_tokens = sum(len(llm.tokenizer.encode(d)) for d in order)
+    ref = run(llm, order)
+    try:
+        llm.engine.config.blend_head_tokens = 3
+        shift = run(llm, order, mode="shift")
+        assert shift.num_segment_tokens == seg_tokens - 3 * len(order)
+        llm.engine.config.blend_head_tokens = 1000
+        every = run(llm, order, mode="shift")
+        assert every.num_segment_tokens == 0
+        assert_same_output(every, ref)
+    finally:
+        llm.engine.config.blend_head_tokens = 0

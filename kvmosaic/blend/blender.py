@@ -47,6 +47,9 @@ class BlendOptions:
     selection: str = "deviation"  # "random" is the baseline the scores must beat
     seed: int = 0
     floor: float = 0.0  # with a ratio: never recompute a token whose deviation is at most this
+    # The first tokens of every reused segment are always recomputed (EPIC's "LegoLink": a chunk
+    # whose start moved away from its first context is where the attention it draws is off most).
+    head: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -57,6 +60,8 @@ class BlendOptions:
             raise ValueError(f"blend_threshold must be non-negative, got {self.threshold}")
         if self.check_layer < 1:
             raise ValueError(f"blend_check_layer must be at least 1, got {self.check_layer}")
+        if self.head < 0:
+            raise ValueError(f"blend_head_tokens must be non-negative, got {self.head}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"blend selection must be one of {SELECTIONS}, got {self.selection!r}")
 
@@ -108,6 +113,9 @@ class Blender:
             else:
                 found.append((span, hit[0].origin, hit[1]))
         reused = self._place(found, slots, start, n)
+        if opts.head:
+            for span, _, _ in found:  # computed in full, as the tokens around the segments are
+                reused[max(span.start, start) : min(span.start + opts.head, span.end)] = False
         reused[positions] = False
         pick = None
         if opts.mode in ("blend", "auto") and reused.any():

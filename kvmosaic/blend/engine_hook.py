@@ -74,7 +74,7 @@ class SegmentReuse:
         c = self.config
         floor = AUTO_FLOOR if c.segment_reuse == "auto" else 0.0
         return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, self.selection,
-                            floor=floor)
+                            floor=floor, head=c.blend_head_tokens)
 
     def _auto_candidate(self, s, cache) -> bool:
         """Auto mode, on the step that admits an unmarked prompt: look its chunks up once."""

@@ -172,6 +172,8 @@ class EngineArgs(CliArgs):
     blend_threshold: float | None = option(None, "blend: recompute tokens deviating more (overrides the ratio)",
                                            type=float)
     blend_check_layer: int = option(2, "blend: the early layer whose KV deviation picks tokens (>= 1)")
+    blend_head_tokens: int = option(0, "blend: the first tokens of every reused segment are recomputed too "
+                                       "(EPIC's LegoLink)")
     segment_cache_memory: int = option(256 << 20, "bytes for stored segment KV (LRU), e.g. 256M", type=memory_size)
     segment_separator: str | None = option(None, "mark segments in any text prompt (chat messages too): "
                                                  "head TEXT doc TEXT ... TEXT tail", metavar="TEXT")

@@ -54,7 +54,8 @@ class EngineConfig(EngineArgs):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
         from ..blend.blender import BlendOptions  # validates the segment reuse fields
 
-        BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer)
+        BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer,
+                     head=self.blend_head_tokens)
         if not self.auto_reuse_max_drift >= 0:
             raise ValueError(f"auto_reuse_max_drift must be non-negative, got {self.auto_reuse_max_drift}")
         if self.kv_tiers:
