@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Iterable
 
 SMOOTHING = 0.25  # weight of the newest think time in a tenant's average
+LONG = 10  # a think time is counted at most this many windows (a tenant idle longer is dropped)
 
 
 class Anticipation:
@@ -54,12 +55,10 @@ class Anticipation:
         since = self.idle_since.pop(tenant, None)
         if since is None:
             return
-        gap = min(max(0.0, at - since), 10 * self.window)
+        gap = min(max(0.0, at - since), LONG * self.window)
         if tenant in self._held and gap <= self.window:
             self.hits += 1
-        self._held.discard(tenant)
-        old = self.think.get(tenant)
-        self.think[tenant] = gap if old is None else (1 - SMOOTHING) * old + SMOOTHING * gap
+        self._learn(tenant, gap)
 
     def hold(self, busy: Iterable[str | None], served: dict[str | None, float]) -> float:
         """Seconds to hold the next step (0: none) while the tenants ``busy`` have work;
@@ -68,6 +67,9 @@ class Anticipation:
         if not self.idle_since or not busy:
             return 0.0
         now = self.clock()
+        for tenant in [t for t, since in self.idle_since.items() if now - since >= LONG * self.window]:
+            del self.idle_since[tenant]  # gone for long: learned as such now, so the map stays small
+            self._learn(tenant, LONG * self.window)
         floor = min(served.get(t, 0.0) for t in busy)
         wait = 0.0
         for tenant, since in self.idle_since.items():
@@ -83,6 +85,11 @@ class Anticipation:
     def waited(self, seconds: float) -> None:
         """The engine held its next step for ``seconds``."""
         self.held_seconds += seconds
+
+    def _learn(self, tenant: str | None, gap: float) -> None:
+        self._held.discard(tenant)
+        old = self.think.get(tenant)
+        self.think[tenant] = gap if old is None else (1 - SMOOTHING) * old + SMOOTHING * gap
 
     def _deadline(self, tenant: str | None, since: float) -> float | None:
         """When the hold for ``tenant``'s idle period that began at ``since`` ends, or None when
