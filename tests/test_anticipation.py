@@ -10,7 +10,9 @@ that sends one request at a time, and only for such a tenant.
   (``add_processed(arrival_time=)``), not from when a step let it in;
 * server: tenant B sends 12 short requests one at a time beside tenant A's long ones; the engine
   held for B's next request and B came back inside the hold (``/metrics``), never longer than the
-  window per hold (200 ms here: CI machines are busy); A's and B's outputs equal the engine's without anticipation.
+  window per hold (200 ms here: CI machines are busy); A's and B's outputs equal the engine's without anticipation;
+  through ``--replicas 2`` each replica reports its counters through the front, within the same bound,
+  and the answers are one server's.
 """
 
 from __future__ import annotations
@@ -95,31 +97,53 @@ def test_scheduler_idle_periods_start_when_the_last_request_leaves():
     assert engine.scheduler.hold() == 0  # nobody else has work
 
 
+async def one_at_a_time_beside_a_flood(url: str) -> tuple[list[str], list[str]]:
+    """Tenant A's 4 long completions, and beside them tenant B's 12 short ones, one at a time."""
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async def complete(key: str, prompt: str, max_tokens: int) -> str:
+            r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                                  json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["text"]
+
+        a = [asyncio.create_task(complete("key-a", f"Story {i}: " + "once upon a time " * 60, 24)) for i in range(4)]
+        b = [await complete("key-b", f"Question {i}: what is {i} plus {i}?", 3) for i in range(12)]
+        return [await t for t in a], b
+
+
+def anticipation_counters(server: ServerProcess) -> dict[str, float]:
+    """``holds``, ``hits``, ``held_seconds`` from /metrics, summed over replicas (one series each)."""
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer adm"}).text
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvmosaic:fair_share_anticipation_"):
+            name = line.split("{")[0].removeprefix("kvmosaic:fair_share_anticipation_").removesuffix("_total")
+            out[name] = out.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+FLAGS = ("--dtype", "float32", "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "adm")
+
+
 def test_server_holds_for_a_one_at_a_time_tenant_and_outputs_are_unchanged():
-    async def run(url: str) -> tuple[list[str], list[str]]:
-        async with httpx.AsyncClient(base_url=url, timeout=300) as client:
-            async def complete(key: str, prompt: str, max_tokens: int) -> str:
-                r = await client.post("/v1/completions", headers={"Authorization": f"Bearer {key}"},
-                                      json={"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
-                assert r.status_code == 200, r.text
-                return r.json()["choices"][0]["text"]
+    with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "200") as server:  # wide: CI machines are busy
+        outputs = asyncio.run(one_at_a_time_beside_a_flood(server.url))
+        counted = anticipation_counters(server)
+    with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "0") as server:
+        assert asyncio.run(one_at_a_time_beside_a_flood(server.url)) == outputs
+    assert counted["holds"] >= 1 and counted["hits"] >= 1
+    assert counted["held_seconds"] <= counted["holds"] * 0.200 + 0.005
 
-            async def b_series() -> list[str]:
-                return [await complete("key-b", f"Question {i}: what is {i} plus {i}?", 3) for i in range(12)]
 
-            a = [asyncio.create_task(complete("key-a", f"Story {i}: " + "once upon a time " * 60, 24))
-                 for i in range(4)]
-            b = await b_series()
-            return [await t for t in a], b
-
-    flags = ("--dtype", "float32", "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "adm")
-    with ServerProcess(*flags, "--fair-share-anticipation-ms", "200") as server:  # wide: CI machines are busy
-        a_out, b_out = asyncio.run(run(server.url))
-        metrics = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer adm"}).text
-    with ServerProcess(*flags, "--fair-share-anticipation-ms", "0") as server:
-        assert asyncio.run(run(server.url)) == (a_out, b_out)
-    value = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-             if line.startswith("kvmosaic:fair_share_anticipation_")}
-    holds = value["kvmosaic:fair_share_anticipation_holds_total"]
-    assert holds >= 1 and value["kvmosaic:fair_share_anticipation_hits_total"] >= 1
-    assert value["kvmosaic:fair_share_anticipation_held_seconds_total"] <= holds * 0.200 + 0.005
+def test_through_replicas_the_option_reaches_each_replica_and_outputs_are_unchanged():
+    """Behind ``--replicas 2`` each replica's engine anticipates on its own (B's replica holds only
+    when A has work there too, which the router decides): the counters come through the front per
+    replica, within the window's bound, and the answers equal one server's without anticipation."""
+    with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "0") as server:
+        want = asyncio.run(one_at_a_time_beside_a_flood(server.url))
+    with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "200", "--replicas", "2") as server:
+        assert asyncio.run(one_at_a_time_beside_a_flood(server.url)) == want
+        counted = anticipation_counters(server)
+        text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer adm"}).text
+    assert sum(line.startswith("kvmosaic:fair_share_anticipation_holds_total{") for line in text.splitlines()) == 2
+    assert counted["held_seconds"] <= counted["holds"] * 0.200 + 0.005

@@ -119,12 +119,16 @@ class Scheduler:
     def hold(self) -> float:
         """Seconds to hold the next step for a one-request-at-a-time tenant's next request
         (engine/anticipation.py); 0: step now."""
+        if not self.anticipation.idle_since:  # the common case, checked before any scan: every step asks
+            return 0.0
         return self.anticipation.hold(self.fair.tenants(self.running, self.waiting), self.fair.served)
 
     def _left(self, seq: Sequence) -> None:
         """``seq`` left the engine: when it was its tenant's last, the tenant went idle."""
-        if not any(s.tenant == seq.tenant for group in (self.running, self.waiting, self.loading.values())
-                   for s in group):
+        if self.anticipation.window <= 0:  # off: no scan on every finish
+            return
+        groups = (self.running, self.waiting, self.loading.values())
+        if not any(s.tenant == seq.tenant for group in groups for s in group):
             self.anticipation.went_idle(seq.tenant)
 
     def has_unfinished(self) -> bool:
