@@ -63,3 +63,20 @@ def record_logits(llm) -> dict[str, list[torch.Tensor]]:
 
     runner.execute = wrapped
     return seen
+
+
+def assert_greedy_within(tol: float, a_tokens: list[list[int]], b_tokens: list[list[int]],
+                         a_logits: list[list[torch.Tensor]], b_logits: list[list[torch.Tensor]]) -> None:
+    """Two greedy runs of the same streams agree up to a stated logit tolerance: while their tokens
+    agree, every logit of b is within ``tol`` of a's; where they part, a's token was a near tie, its
+    lead over the runner-up within ``2 * tol`` (the most two logits that each moved by ``tol`` can
+    change their order)."""
+    for a_tok, b_tok, a_log, b_log in zip(a_tokens, b_tokens, a_logits, b_logits, strict=True):
+        agree = next((i for i, (x, y) in enumerate(zip(a_tok, b_tok)) if x != y), len(a_tok))
+        for step in range(min(agree + 1, len(a_tok))):  # the logits that chose the same tokens so far
+            diff = (a_log[step] - b_log[step]).abs().max().item()
+            assert diff <= tol, f"step {step}: logits differ by {diff} (tolerance {tol})"
+        if agree < len(a_tok):
+            top2 = a_log[agree].topk(2).values
+            margin = (top2[0] - top2[1]).item()
+            assert margin <= 2 * tol, f"step {agree}: a token with a {margin:.3f} lead changed"

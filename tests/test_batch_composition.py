@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from kvmosaic import SamplingParams
-from tests.conftest import make_llm, record_logits
+from tests.conftest import assert_greedy_within, make_llm, record_logits
 
 BF16_LOGIT_TOL = 1.0
 MINE = 3
@@ -74,12 +74,4 @@ def test_greedy_alone_equals_greedy_beside_50_streams(dtype, cache):
     if dtype == "float32":
         assert beside_tokens == alone_tokens
         return
-    for a_tok, b_tok, a_log, b_log in zip(alone_tokens, beside_tokens, alone_logits, beside_logits):
-        agree = next((i for i, (x, y) in enumerate(zip(a_tok, b_tok)) if x != y), len(a_tok))
-        for step in range(min(agree + 1, len(a_tok))):  # the logits that chose the same tokens so far
-            diff = (a_log[step] - b_log[step]).abs().max().item()
-            assert diff <= BF16_LOGIT_TOL, f"step {step}: logits beside others differ by {diff}"
-        if agree < len(a_tok):
-            top2 = a_log[agree].topk(2).values
-            margin = (top2[0] - top2[1]).item()
-            assert margin <= 2 * BF16_LOGIT_TOL, f"step {agree}: a token with a {margin:.3f} lead changed"
+    assert_greedy_within(BF16_LOGIT_TOL, alone_tokens, beside_tokens, alone_logits, beside_logits)

@@ -24,6 +24,7 @@ from . import kernels
 from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
 from .families import Rope
+from .fused_decode import FusedDecode
 from .rope_scaling import inv_freq as rope_inv_freq
 from .softcap import softcap_paged_attention
 from .window import GroupedMetadata, layer_view
@@ -229,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
             layer.rope_index = self.ropes.index(rope)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.head_proj: nn.Module | None = None  # replaces the plain head product: pack_linears, quant.py
+        self._fused: FusedDecode | None | bool = False  # False: not decided yet (see fused_decode)
 
     @property
     def rotary(self) -> RotaryEmbedding:
@@ -275,7 +277,15 @@ class LlamaForCausalLM(nn.Module):
                     setattr(layer, name, packed)
                     count += 1
         self.head_proj = try_pack(self.output_weight)
+        self._fused = False
         return count + (self.head_proj is not None)
+
+    def fused_decode(self, kv: PagedKV, meta) -> FusedDecode | None:
+        """The one-call decode step where it serves this model and step (``fused_decode.py``);
+        decided at the first step, when the projections are final."""
+        if self._fused is False:
+            self._fused = FusedDecode.for_model(self)
+        return self._fused if self._fused is not None and self._fused.serves(kv, meta) else None
 
     @torch.inference_mode()
     def forward(
@@ -289,6 +299,12 @@ class LlamaForCausalLM(nn.Module):
         """Run the packed batch; return logits only at ``logits_index`` (all tokens if None),
         which skips the vocabulary projection for every prompt token but the last."""
         x = self.embed(input_ids)
+        fused = self.fused_decode(kv, meta)
+        hidden = fused(x, positions, kv, meta) if fused is not None else None
+        if hidden is not None:
+            if logits_index is not None:
+                hidden = hidden.index_select(0, logits_index)
+            return self.compute_logits(hidden)
         ropes = [RopeAt.at(rotary, positions) for rotary in self.rotaries]
         views: dict[tuple, AttentionMetadata] = {}  # per (group, window), built once per step
         bands: dict = {}  # band masks, shared by the groups (positions only)

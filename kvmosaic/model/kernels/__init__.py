@@ -38,8 +38,8 @@ import torch
 
 log = logging.getLogger("kvmosaic")
 
-SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c")]
-HEADERS = [Path(__file__).with_name("bf16.h")]
+SOURCES = [Path(__file__).with_name(name) for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "decode_step.c")]
+HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "elementwise.h", "paged_decode.h")]
 # No FMA contraction: a * b + c rounds the product as torch's separate operators do.
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off"]
@@ -97,6 +97,7 @@ def _library() -> ctypes.CDLL | None:
         "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32]),
         "q4_1_matmul": (i32, [ptr] * 4 + [i32, i64, i64, i64, ptr, i32, i32]),
         "q4_1_dequantize": (i32, [ptr] * 3 + [i64, i64, ptr, i32, i32]),
+        "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
@@ -159,6 +160,12 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     ``[num_slots, Hkv, D]``. Returns the output ``[B, H, D]`` and the log-sum-exp of the scaled
     scores ``[B, H]``, both float32. Call only where :func:`available` is True."""
     return _attention(_library(), q, k_cache, v_cache, slots, lens, scale)
+
+
+def decode_step_library() -> ctypes.CDLL | None:
+    """The library whose ``decode_step`` runs a whole decode step (``decode_step.c``;
+    model/fused_decode.py checks at its first call whether this CPU and model are served)."""
+    return _library()
 
 
 def elementwise_available(x: torch.Tensor) -> bool:

@@ -12,11 +12,9 @@
  * resolves to the runtime torch has already loaded (libgomp.so.1), so torch.set_num_threads
  * and this kernel share one thread pool.
  */
-#include "bf16.h"
+#include "paged_decode.h"
 
 #define TILE 32
-#define MAX_GROUP 16
-#define MAX_DIM 256
 #define PREFETCH 16 /* tokens ahead */
 
 static inline __attribute__((always_inline)) void load_row(const void *pool, int kv_bf16, int64_t offset,
@@ -193,6 +191,28 @@ static void attend_avx512bf16(const float *q, const uint16_t *k_pool, const uint
 }
 #endif
 
+/* One (sequence, kv head): the group's ``group`` query heads ``q`` [group, D] float32 over the
+ * first ``len`` of ``seq_slots``; writes out [group, D] and lse [group]. The AVX512-BF16 path
+ * where the pool is bfloat16, the queries bfloat16 values and D a multiple of 32. Shared with
+ * decode_step.c (paged_decode.h). */
+void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
+                       const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
+                       float scale, float *out, float *lse) {
+#ifdef HAVE_AVX512_BF16
+    if (kv_bf16 && q_bf16_exact && dim % 32 == 0) {
+        attend_avx512bf16(q, (const uint16_t *)k_pool, (const uint16_t *)v_pool, seq_slots, len, kv_heads, dim, g,
+                          group, scale, out, lse);
+        return;
+    }
+#endif
+    if (dim == 64)
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 64, g, group, scale, out, lse);
+    else if (dim == 128)
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 128, g, group, scale, out, lse);
+    else
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, dim, g, group, scale, out, lse);
+}
+
 /* q [B, H, D] float32; k_pool, v_pool [num_slots, Hkv, D] (bfloat16 when kv_bf16, else float32);
  * slots [B, max_len] int64, of which the first lens[b] (>= 1) are sequence b's context; out
  * [B, H, D] and lse [B, H] float32. q_bf16_exact: every q value is a bfloat16 value (the model
@@ -209,24 +229,8 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
     for (int64_t b = 0; b < batch; ++b) {
         for (int64_t g = 0; g < kv_heads; ++g) {
             const int64_t first = b * heads + g * group;
-            const float *qb = q + first * dim;
-            const int64_t *seq_slots = slots + b * max_len;
-#ifdef HAVE_AVX512_BF16
-            if (kv_bf16 && q_bf16_exact && dim % 32 == 0) {
-                attend_avx512bf16(qb, (const uint16_t *)k_pool, (const uint16_t *)v_pool, seq_slots, lens[b],
-                                  kv_heads, dim, g, group, scale, out + first * dim, lse + first);
-                continue;
-            }
-#endif
-            if (dim == 64)
-                attend_one(qb, k_pool, v_pool, kv_bf16, seq_slots, lens[b], kv_heads, 64, g, group, scale,
-                           out + first * dim, lse + first);
-            else if (dim == 128)
-                attend_one(qb, k_pool, v_pool, kv_bf16, seq_slots, lens[b], kv_heads, 128, g, group, scale,
-                           out + first * dim, lse + first);
-            else
-                attend_one(qb, k_pool, v_pool, kv_bf16, seq_slots, lens[b], kv_heads, dim, g, group, scale,
-                           out + first * dim, lse + first);
+            paged_decode_head(q + first * dim, k_pool, v_pool, kv_bf16, q_bf16_exact, slots + b * max_len, lens[b],
+                              kv_heads, dim, g, group, scale, out + first * dim, lse + first);
         }
     }
     return 0;

@@ -1,0 +1,118 @@
+"""A decode step in one call: every layer of a plain Llama-family model over a batch of
+one-token sequences, in C (``kernels/decode_step.c``), instead of ~20 operator calls a layer.
+
+At decode on a CPU the weights stream from memory once per step and the arithmetic is small; what
+kept a step at ~60% of the memory bandwidth was the operators' dispatch and a thread-pool wake-up
+each (docs/ARCHITECTURE.md, "The fused decode step"). The fused step serves only what it computes
+exactly as the layer-by-layer path does, up to float32 summation order in the projections:
+
+* bfloat16 weights and pool, on a CPU with AVX512-BF16 (the C function says so at its first call);
+* plain Llama layers: no Q/K/V bias, no q/k norms, no sliding window or soft-capping, SiLU,
+  full rotary, plain (or oneDNN-packed) projections: not int8 or GGUF ones;
+* a step whose every token is a decode, with no shared-prefix (cascade) groups.
+
+Anything else runs the layer-by-layer path. ``KVMOSAIC_FUSED_DECODE=0`` turns it off (as
+``KVMOSAIC_KERNELS=0`` turns off every kernel). A row's result does not depend on the batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+from torch import nn
+
+from . import kernels
+from .attention import AttentionMetadata, PagedKV
+from .packed_linear import PackedLinear
+
+log = logging.getLogger("kvmosaic")
+
+PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _plain_weight(module: nn.Module) -> torch.Tensor | None:
+    """The ``[out, in]`` bfloat16 weight of a bias-free plain or packed projection, else None."""
+    if type(module) is nn.Linear and module.bias is not None:
+        return None
+    if type(module) not in (nn.Linear, PackedLinear):
+        return None
+    w = module.weight
+    return w if w.dtype == torch.bfloat16 and w.is_contiguous() and w.device.type == "cpu" else None
+
+
+class FusedDecode:
+    """The fused step for one model; build with :meth:`for_model` (None where it does not serve)."""
+
+    def __init__(self, model: nn.Module, weights: list[torch.Tensor]) -> None:
+        cfg = model.config
+        self.model = model
+        self.weights = weights  # [layer][qkv, o, gate_up, down, norm1, norm2], kept alive
+        self.shape = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
+                      cfg.head_dim)
+        self.eps, self.scale = float(cfg.rms_norm_eps), float(model.layers[0].scale)
+        self._pointers: tuple[int, ctypes.Array] | None = None  # (pool address, layer pointers)
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> FusedDecode | None:
+        from .llama import DecoderLayer, RMSNorm
+
+        if os.environ.get("KVMOSAIC_FUSED_DECODE", "1") == "0" or kernels.decode_step_library() is None:
+            return None
+        cfg = model.config
+        if cfg.traits.activation != "silu" or len(model.rotaries) != 1 or model.rotary.inv_freq.numel() * 2 != cfg.head_dim:
+            return None
+        weights = []
+        for layer in model.layers:
+            if type(layer) is not DecoderLayer or layer.qkv_bias is not None or layer.q_norm is not None \
+                    or layer.window is not None or layer.softcap is not None or layer.scale != model.layers[0].scale:
+                return None
+            tensors = [_plain_weight(getattr(layer, name)) for name in PROJECTIONS]
+            norms = [layer.input_layernorm, layer.post_attention_layernorm]
+            if any(t is None for t in tensors) or any(type(n) is not RMSNorm or n.weight.dtype != torch.bfloat16
+                                                      for n in norms):
+                return None
+            weights.append([*tensors, *(n.weight.detach().contiguous() for n in norms)])
+        fused = cls(model, weights)
+        rc = fused._run(None, 0, *[None] * 6, 1)
+        if rc != 0:
+            log.info("no fused decode step here (code %d): the layer-by-layer path runs", rc)
+            return None
+        return fused
+
+    def serves(self, kv: PagedKV, meta) -> bool:
+        """Whether this step is one the fused path computes: decodes only, bfloat16 pool."""
+        d = meta.decode if isinstance(meta, AttentionMetadata) else None
+        return (d is not None and not meta.prefills and not d.shared and d.lens is not None
+                and d.token_index.numel() == meta.slot_mapping.numel()  # every token a decode, in order
+                and kv.k[0].dtype == torch.bfloat16 and kv.k[0].is_contiguous())
+
+    def _layer_pointers(self, kv: PagedKV) -> ctypes.Array:
+        address = kv.k[0].data_ptr()
+        if self._pointers is None or self._pointers[0] != address:
+            flat = [t.data_ptr() for layer, (k, v) in zip(self.weights, zip(kv.k, kv.v)) for t in (*layer, k, v)]
+            self._pointers = (address, (ctypes.c_void_p * len(flat))(*flat))
+        return self._pointers[1]
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor | None:
+        """The final hidden state ``[B, hidden]`` (before the final norm) of the decode tokens whose
+        embeddings are ``x``; None where the C function declines (the caller runs the layers)."""
+        d = meta.decode
+        stream = x.contiguous().clone()
+        cos, signed_sin = (t.contiguous() for t in self.model.rotary.rows(positions))
+        slot_mapping, ctx_slots, lens = (t.to(torch.int64).contiguous() for t in (meta.slot_mapping, d.ctx_slots, d.lens))
+        rc = self._run(self._layer_pointers(kv), stream.shape[0], stream, cos, signed_sin, slot_mapping, ctx_slots, lens,
+                       ctx_slots.shape[1])
+        if rc != 0:
+            log.warning("fused decode step failed (code %d): this step runs layer by layer", rc)
+            return None
+        return stream
+
+    def _run(self, pointers, batch: int, *tensors: torch.Tensor | None) -> int:
+        *tensors, max_len = tensors
+        layers, hidden, inter, heads, kv_heads, dim = self.shape
+        return kernels.decode_step_library().decode_step(
+            pointers, layers, hidden, inter, heads, kv_heads, dim, self.eps, self.scale,
+            *(None if t is None else t.data_ptr() for t in tensors), max_len, batch, torch.get_num_threads())
