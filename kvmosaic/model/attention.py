@@ -8,8 +8,10 @@ runner describes how they split into sequences with :class:`AttentionMetadata`:
   queries are long, so per-sequence calls are efficient and need no padding);
 * ``decode``: sequences with exactly one new token, attended together in one padded call.
 
-Each sequence's context (cached tokens plus the new ones) is gathered from the pool through
-its slots, so a cached prefix and freshly written KV are read the same way.
+Each sequence's context (cached tokens plus the new ones) is read from the pool through its
+slots, so a cached prefix and freshly written KV are read the same way: in place by the C
+kernels where they serve (bfloat16 causal prefill: ``kernels/prefill.py``; decode:
+``kernels.paged_decode_attention``), else gathered into a copy for torch's attention.
 
 Decodes that share a cached prefix (the same pool blocks at the head of their block tables,
 e.g. one system prompt hit by every request) use cascade attention, as vLLM and FlashInfer
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import kernels
+from .kernels import prefill
 
 
 class PagedKV(Protocol):
@@ -93,6 +96,11 @@ def paged_attention(
         return _decode_attention(q, k_cache, v_cache, d, scale)
     out = torch.empty_like(q)
     for span in meta.prefills:
+        if span.mask is None:  # causal: the bfloat16 kernel reads the pool in place where it serves
+            o = prefill.prefill_attention(q[span.start : span.end], k_cache, v_cache, span.ctx_slots, scale)
+            if o is not None:
+                out[span.start : span.end] = o
+                continue
         qs = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, Tq, D]
         k = k_cache.index_select(0, span.ctx_slots).transpose(0, 1).unsqueeze(0)
         v = v_cache.index_select(0, span.ctx_slots).transpose(0, 1).unsqueeze(0)

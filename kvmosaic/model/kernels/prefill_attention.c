@@ -1,0 +1,214 @@
+/* Causal prefill attention over the paged pool in bfloat16, on AVX512-BF16: one prompt span's
+ * queries (the last T positions of its context) against its whole context, K and V read from
+ * the pool through the span's slots. torch's CPU flash kernel ran these shapes at ~10% of the
+ * machine's bfloat16 GEMM peak (a third of a 750-token prefill on an AVX-512 CPU without AMX;
+ * docs/ARCHITECTURE.md, "Prefill attention").
+ *
+ * Each KV head's context is first repacked once, for all its query heads and rows: K as
+ * [16-key tiles][D/2 pairs][16 keys][2] (a VDPBF16PS lane is one key's dot product with a pair
+ * of a query's dimensions), V as [key pairs][D][2] (a lane is one output dimension over a pair of
+ * keys). Then every (query head, tile of ROWS query rows) runs an online softmax over blocks of
+ * BLOCK keys: scores by VDPBF16PS in float32 (products exact), softmax in float32, P rounded to
+ * bfloat16 for P.V (VDPBF16PS again, float32 sums), as torch's flash kernel rounds P.
+ *
+ * Invariants: a query row's result depends only on its own query, its position and the context
+ * up to it: rows never share sums, key blocks start at the context's first key whatever the
+ * span's length, and keys past a row's position get probability exactly 0. So a row gives the
+ * same bits whether the prompt before it came from the cache or was computed in the same step,
+ * and whatever else the batch holds (tests/test_prefill_attention.py).
+ */
+#include <omp.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+
+#define BLOCK 32
+#ifndef ROWS_D64
+#define ROWS_D64 7
+#endif
+#ifndef ROWS_D128
+#define ROWS_D128 4
+#endif /* keys per online-softmax step: two 16-lane score vectors per row */
+
+/* exp_clamped (bf16.h) on 16 lanes: the same polynomial, 2^n by VSCALEFPS. */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                                        _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
+                                   _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
+static inline __m512bh broadcast_pair(const uint16_t *p) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+/* K [ctx, kv_heads, D] of head g, through slots, as [ctx_pad/16][D/2][16][2]; zeros past ctx. */
+static void pack_k(const uint16_t *pool, const int64_t *slots, int64_t ctx, int64_t ctx_pad, int64_t kv_heads,
+                   int64_t g, int64_t dim, uint16_t *kt) {
+    for (int64_t j = 0; j < ctx_pad; ++j) {
+        const uint16_t *row = j < ctx ? pool + (slots[j] * kv_heads + g) * dim : NULL;
+        uint16_t *tile = kt + (j / 16) * 16 * dim + (j % 16) * 2;
+        for (int64_t p = 0; p < dim / 2; ++p) {
+            tile[p * 32] = row ? row[2 * p] : 0;
+            tile[p * 32 + 1] = row ? row[2 * p + 1] : 0;
+        }
+    }
+}
+
+/* V [ctx, kv_heads, D] of head g as [ctx_pad/2][D][2]; zeros past ctx. */
+static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int64_t ctx_pad, int64_t kv_heads,
+                   int64_t g, int64_t dim, uint16_t *vt) {
+    for (int64_t j = 0; j < ctx_pad; ++j) {
+        const uint16_t *row = j < ctx ? pool + (slots[j] * kv_heads + g) * dim : NULL;
+        uint16_t *pair = vt + (j / 2) * 2 * dim + (j % 2);
+        for (int64_t d = 0; d < dim; ++d) pair[2 * d] = row ? row[d] : 0;
+    }
+}
+
+/* ROWS query rows of one head (rows i0.. of the span; row r sees keys 0..last[r]) against the
+ * packed context; DV = D / 16 output vectors per row. Writes bfloat16 rows of out. */
+#define DEFINE_TILE(NAME, ROWS, DV)                                                                                  \
+    static void NAME(const uint16_t *const *q_rows, const int64_t *last, int nr, const uint16_t *kt,               \
+                     const uint16_t *vt, float scale, uint16_t *const *out_rows) {                                  \
+        const int64_t dim = DV * 16;                                                                                 \
+        const __m512 minus_inf = _mm512_set1_ps(-INFINITY);                                                          \
+        __m512 acc[ROWS][DV];                                                                                        \
+        float m[ROWS], l[ROWS];                                                                                      \
+        int64_t reach = 0;                                                                                           \
+        for (int r = 0; r < ROWS; ++r) {                                                                             \
+            for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();                                           \
+            m[r] = -INFINITY, l[r] = 0.0f;                                                                           \
+            if (r < nr && last[r] + 1 > reach) reach = last[r] + 1;                                                  \
+        }                                                                                                            \
+        for (int64_t j0 = 0; j0 < reach; j0 += BLOCK) {                                                              \
+            __m512 s[ROWS][2];                                                                                       \
+            for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();                                 \
+            const uint16_t *k0 = kt + j0 * dim, *k1 = k0 + 16 * dim;                                                 \
+            for (int64_t p = 0; p < dim / 2; ++p) {                                                                  \
+                const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * 32);                                       \
+                const __m512bh b = (__m512bh)_mm512_loadu_si512(k1 + p * 32);                                       \
+                for (int r = 0; r < ROWS; ++r) {                                                                     \
+                    const __m512bh qp = broadcast_pair(q_rows[r] + 2 * p);                                          \
+                    s[r][0] = _mm512_dpbf16_ps(s[r][0], a, qp);                                                      \
+                    s[r][1] = _mm512_dpbf16_ps(s[r][1], b, qp);                                                      \
+                }                                                                                                    \
+            }                                                                                                        \
+            uint16_t probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                \
+            for (int r = 0; r < ROWS; ++r) {                                                                         \
+                const int64_t visible = last[r] - j0 + 1; /* keys of this block row r sees (may be <= 0) */           \
+                if (visible <= 0) { /* the whole block is past this row: nothing to add */                           \
+                    memset(probs[r], 0, sizeof probs[r]);                                                            \
+                    continue;                                                                                        \
+                }                                                                                                    \
+                const __mmask16 lo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);                      \
+                const __mmask16 hi = visible >= 32 ? 0xffff : visible <= 16 ? 0 : (__mmask16)((1u << (visible - 16)) - 1); \
+                const __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));                                    \
+                const __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));                                    \
+                const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(minus_inf, lo, x0),         \
+                                                                     _mm512_mask_mov_ps(minus_inf, hi, x1)));        \
+                const float m_new = m[r] > top ? m[r] : top;                                                         \
+                const float correction = exp_clamped(m[r] - m_new);                                                  \
+                const __m512 p0 = _mm512_maskz_mov_ps(lo, exp512(_mm512_sub_ps(x0, _mm512_set1_ps(m_new))));        \
+                const __m512 p1 = _mm512_maskz_mov_ps(hi, exp512(_mm512_sub_ps(x1, _mm512_set1_ps(m_new))));        \
+                l[r] = l[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));                              \
+                m[r] = m_new;                                                                                        \
+                if (correction != 1.0f)                                                                              \
+                    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));  \
+                _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));                                  \
+            }                                                                                                        \
+            const uint16_t *v = vt + j0 * dim;                                                                       \
+            for (int kp = 0; kp < BLOCK / 2; ++kp) {                                                                 \
+                __m512bh vv[DV];                                                                                     \
+                for (int c = 0; c < DV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + kp * 2 * dim + c * 32);       \
+                for (int r = 0; r < ROWS; ++r) {                                                                     \
+                    const __m512bh pp = broadcast_pair(probs[r] + 2 * kp);                                          \
+                    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pp);                \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < nr; ++r) {                                                                               \
+            const __m512 inv = _mm512_set1_ps(1.0f / l[r]);                                                          \
+            for (int c = 0; c < DV; ++c) {                                                                           \
+                float o[16];                                                                                         \
+                _mm512_storeu_ps(o, _mm512_mul_ps(acc[r][c], inv));                                                  \
+                for (int i = 0; i < 16; ++i) out_rows[r][c * 16 + i] = float_to_bf16(o[i]);                          \
+            }                                                                                                        \
+        }                                                                                                            \
+    }
+
+DEFINE_TILE(tile_d64, ROWS_D64, 4)
+DEFINE_TILE(tile_d128, ROWS_D128, 8)
+#endif
+
+/* out [T, heads, D] = causal attention of q [T, heads, D] (the span's tokens, the last T of its
+ * context) over K and V at slots [ctx] of the pools [num_slots, kv_heads, D]; all bfloat16.
+ * Returns 0, -1 for a shape it does not serve (D other than 64 or 128, T > ctx), -2 without
+ * AVX512-BF16, -3 out of memory. */
+int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots,
+                      int64_t ctx, int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
+                      uint16_t *out, int num_threads) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    if ((dim != 64 && dim != 128) || kv_heads < 1 || heads % kv_heads || num_tokens > ctx || num_tokens < 0) return -1;
+    if (num_tokens == 0) return 0;
+    const int rows = dim == 64 ? ROWS_D64 : ROWS_D128;
+    const int64_t group = heads / kv_heads, past = ctx - num_tokens, ctx_pad = (ctx + BLOCK - 1) / BLOCK * BLOCK;
+    const size_t per_head = (size_t)(2 * ctx_pad * dim);
+    uint16_t *packed = aligned_alloc(64, (per_head * kv_heads * sizeof(uint16_t) + 63) / 64 * 64);
+    if (packed == NULL) return -3;
+    const int64_t tiles = (num_tokens + rows - 1) / rows;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < 2 * kv_heads; ++item) {
+            const int64_t g = item / 2;
+            uint16_t *kt = packed + g * per_head, *vt = kt + ctx_pad * dim;
+            if (item % 2 == 0)
+                pack_k(k_pool, slots, ctx, ctx_pad, kv_heads, g, dim, kt);
+            else
+                pack_v(v_pool, slots, ctx, ctx_pad, kv_heads, g, dim, vt);
+        }
+        /* the last rows see the most keys: hand them out first */
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t t = tiles - 1; t >= 0; --t) {
+            for (int64_t h = 0; h < heads; ++h) {
+                const uint16_t *kt = packed + (h / group) * per_head, *vt = kt + ctx_pad * dim;
+                const uint16_t *q_rows[8];
+                uint16_t *out_rows[8];
+                int64_t last[8];
+                const int64_t i0 = t * rows;
+                const int nr = num_tokens - i0 < rows ? (int)(num_tokens - i0) : rows;
+                for (int r = 0; r < rows; ++r) {
+                    const int64_t i = r < nr ? i0 + r : i0; /* past the span: a copy of its first row, unused */
+                    q_rows[r] = q + (i * heads + h) * dim;
+                    out_rows[r] = out + (i * heads + h) * dim;
+                    last[r] = past + i;
+                }
+                if (dim == 64)
+                    tile_d64(q_rows, last, nr, kt, vt, scale, out_rows);
+                else
+                    tile_d128(q_rows, last, nr, kt, vt, scale, out_rows);
+            }
+        }
+    }
+    free(packed);
+    return 0;
+#else
+    (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
+    (void)dim, (void)scale, (void)out, (void)num_threads;
+    return -2;
+#endif
+}

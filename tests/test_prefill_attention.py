@@ -1,0 +1,103 @@
+"""The bfloat16 causal prefill attention kernel (model/kernels/prefill.py, prefill_attention.c;
+docs/ARCHITECTURE.md, "Prefill attention"): as accurate as torch's own bfloat16 attention against
+float32, a query row's result the same bits whatever part of its context came from the cache, and
+the engine's greedy outputs with it, cache on and off, within the stated bfloat16 tolerance."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvmosaic import SamplingParams
+from kvmosaic.model.kernels import prefill
+from tests.conftest import assert_greedy_within, make_llm, record_logits
+from tests.test_batch_composition import BF16_LOGIT_TOL
+
+pytestmark = pytest.mark.skipif(not prefill._checked(), reason="no bfloat16 prefill attention kernel on this CPU")
+
+
+def _case(num_tokens: int, past: int, heads: int, kv_heads: int, dim: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    ctx = past + num_tokens
+    k, v = (torch.randn(ctx + 13, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(ctx + 13, generator=g)[:ctx]  # the pool in any order, as blocks are
+    q = torch.randn(num_tokens, heads, dim, generator=g).to(torch.bfloat16)
+    return q, k, v, slots
+
+
+def _reference(q, k, v, slots, scale, dtype):
+    """torch's attention on gathered copies in ``dtype``, causal with the queries last."""
+    num_tokens, heads, _ = q.shape
+    past, group = slots.numel() - num_tokens, heads // k.shape[1]
+    mask = torch.ones(num_tokens, slots.numel(), dtype=torch.bool).tril(past)
+    kk, vv = (x[slots].to(dtype).transpose(0, 1).repeat_interleave(group, 0) for x in (k, v))
+    out = F.scaled_dot_product_attention(q.to(dtype).transpose(0, 1), kk, vv, attn_mask=mask, scale=scale)
+    return out.transpose(0, 1).float()
+
+
+@pytest.mark.parametrize(("num_tokens", "past", "heads", "kv_heads", "dim"), [
+    (1, 0, 4, 4, 64), (1, 90, 9, 3, 64), (37, 0, 9, 3, 64), (150, 0, 9, 3, 64), (29, 200, 6, 2, 64),
+    (64, 0, 32, 8, 128), (5, 70, 8, 8, 128),
+])
+def test_as_accurate_as_torch_bfloat16(num_tokens, past, heads, kv_heads, dim):
+    q, k, v, slots = _case(num_tokens, past, heads, kv_heads, dim)
+    scale = dim**-0.5
+    out = prefill.prefill_attention(q, k, v, slots, scale)
+    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
+    exact = _reference(q, k, v, slots, scale, torch.float32)
+    torch_bf16 = _reference(q, k, v, slots, scale, torch.bfloat16)
+    err, torch_err = (out.float() - exact).abs().max().item(), (torch_bf16 - exact).abs().max().item()
+    assert err <= 1.5 * torch_err + 2e-3, f"kernel {err} vs torch bfloat16 {torch_err}"
+
+
+@pytest.mark.parametrize("dim", [64, 128])
+def test_a_row_does_not_depend_on_what_came_from_the_cache(dim):
+    """The same rows computed with all of the prompt in the step, with its first part cached
+    (only the rest as queries), and one at a time: the same bits."""
+    q, k, v, slots = _case(61, 0, 6, 2, dim, seed=1)
+    whole = prefill.prefill_attention(q, k, v, slots, 0.1)
+    for cached in (1, 16, 33, 60):
+        tail = prefill.prefill_attention(q[cached:], k, v, slots, 0.1)
+        assert torch.equal(tail, whole[cached:]), f"{cached} cached tokens changed the rows after them"
+    for row in (0, 7, 31, 60):
+        one = prefill.prefill_attention(q[row : row + 1], k, v, slots[: row + 1], 0.1)
+        assert torch.equal(one[0], whole[row])
+
+
+def test_declines_what_it_does_not_serve():
+    q, k, v, slots = _case(8, 4, 4, 2, 64)
+    assert prefill.prefill_attention(q.float(), k, v, slots, 0.125) is None  # float32 queries
+    assert prefill.prefill_attention(q, k.float(), v.float(), slots, 0.125) is None  # float32 pool
+    q96, k96, v96, slots96 = _case(8, 4, 4, 2, 96)
+    assert prefill.prefill_attention(q96, k96, v96, slots96, 0.125) is None  # head dim 96
+
+
+def test_engine_greedy_cache_on_and_off_in_bfloat16(tokenizer, monkeypatch):
+    """Cached prefixes, chunked prefill: greedy tokens within the bfloat16 tolerance of the cache off
+    (oneDNN's bfloat16 GEMMs are row-invariant only up to 32 rows: test_batch_composition.py)."""
+    text = "The river carried stones past the old mill while the lamp burned. " * 8
+    stem = tokenizer.encode(text, add_special_tokens=False)
+    prompts = [stem + tokenizer.encode(tail, add_special_tokens=False)
+               for tail in (" Then the miller", " Later that night", " The stones were")]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    served, kernel = [0], prefill.prefill_attention
+
+    def counting(*args):
+        out = kernel(*args)
+        served[0] += out is not None
+        return out
+
+    monkeypatch.setattr(prefill, "prefill_attention", counting)
+    runs = []
+    for opts in ({"enable_prefix_caching": False}, {}, {"max_num_batched_tokens": 48}):
+        llm = make_llm(dtype="bfloat16", **opts)
+        logits = record_logits(llm)
+        outs = [llm.generate([p], params)[0] for p in prompts]
+        runs.append(([o.token_ids for o in outs], [logits[o.request_id] for o in outs], llm))
+    assert served[0] >= 3 * 30, "the kernel served the prefills"
+    (off_tokens, off_logits, _), *cached = runs
+    for tokens, logits, llm in cached:
+        assert llm.get_stats().prefix_cache_hits > 0
+        assert_greedy_within(BF16_LOGIT_TOL, off_tokens, tokens, off_logits, logits)
+        llm.engine.pool.check_invariants()
