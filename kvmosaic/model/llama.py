@@ -304,7 +304,7 @@ class LlamaForCausalLM(nn.Module):
         if hidden is not None:
             if logits_index is not None:
                 hidden = hidden.index_select(0, logits_index)
-            return self.compute_logits(hidden)
+            return fused.logits(hidden)
         ropes = [RopeAt.at(rotary, positions) for rotary in self.rotaries]
         views: dict[tuple, AttentionMetadata] = {}  # per (group, window), built once per step
         bands: dict = {}  # band masks, shared by the groups (positions only)

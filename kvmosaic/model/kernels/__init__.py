@@ -43,7 +43,8 @@ log = logging.getLogger("kvmosaic")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "decode_step.c", "prefill_attention.c")]
-HEADERS = [Path(__file__).with_name(name) for name in ("bf16.h", "elementwise.h", "paged_decode.h")]
+HEADERS = [Path(__file__).with_name(name)
+           for name in ("bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h")]
 # No FMA contraction: a * b + c rounds the product as torch's separate operators do.
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off"]
@@ -101,7 +102,8 @@ def _library() -> ctypes.CDLL | None:
         "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32]),
         "q4_1_matmul": (i32, [ptr] * 4 + [i32, i64, i64, i64, ptr, i32, i32]),
         "q4_1_dequantize": (i32, [ptr] * 3 + [i64, i64, ptr, i32, i32]),
-        "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, i32]),
+        "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, i32, i32]),
+        "linear_rows": (i32, [ptr, i64, i64, ptr, i64, ptr, i32, i32]),
         "prefill_attention": (i32, [ptr] * 4 + [i64] * 5 + [f32, ptr, i32]),
     }
     for name, (restype, argtypes) in signatures.items():

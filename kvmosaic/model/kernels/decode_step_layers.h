@@ -1,0 +1,130 @@
+/* The fused decode step's layers for one dtype (decode_step.c includes this once per dtype, with
+ * ELEM, NAME, TO_F, FROM_F, ROUND, IS_BF16 and a NAME(dot_tile) defined). */
+
+/* dot_tile with the row count a constant, so the accumulators stay in registers. */
+static void NAME(dots)(const ELEM *w, int64_t in, const ELEM *x, int64_t x_stride, int nr, float out[ROWS][CHANNELS]) {
+    switch (nr) {
+    case 1: NAME(dot_tile)(w, in, x, x_stride, 1, out); break;
+    case 2: NAME(dot_tile)(w, in, x, x_stride, 2, out); break;
+    case 3: NAME(dot_tile)(w, in, x, x_stride, 3, out); break;
+    default: NAME(dot_tile)(w, in, x, x_stride, 4, out); break;
+    }
+}
+
+/* y [batch, out] = x [batch, in] @ w [out, in]^T (rounded to the dtype); channel tiles shared out among the
+ * team (called inside the parallel region; ends with the team's barrier). */
+static void NAME(project)(const ELEM *w, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < out / CHANNELS; ++t) {
+        for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
+            const int nr = batch - r0 < ROWS ? (int)(batch - r0) : ROWS;
+            float o[ROWS][CHANNELS];
+            NAME(dots)(w + t * CHANNELS * in, in, x + r0 * in, in, nr, o);
+            for (int r = 0; r < nr; ++r)
+                for (int c = 0; c < CHANNELS; ++c) y[(r0 + r) * out + t * CHANNELS + c] = FROM_F(o[r][c]);
+        }
+    }
+}
+
+/* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
+ * the dtype first, silu and the product too (w [2 * inter, in]: gate rows, then up rows). */
+static void NAME(gate_up_silu)(const ELEM *w, int64_t in, int64_t inter, const ELEM *x, int64_t batch, ELEM *act) {
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < inter / CHANNELS; ++t) {
+        for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
+            const int nr = batch - r0 < ROWS ? (int)(batch - r0) : ROWS;
+            float gate[ROWS][CHANNELS], up[ROWS][CHANNELS];
+            NAME(dots)(w + t * CHANNELS * in, in, x + r0 * in, in, nr, gate);
+            NAME(dots)(w + (inter + t * CHANNELS) * in, in, x + r0 * in, in, nr, up);
+            for (int r = 0; r < nr; ++r)
+                for (int c = 0; c < CHANNELS; ++c) {
+                    const float g = ROUND(gate[r][c]);
+                    const float silu = ROUND(g / (1.0f + expf(-g)));
+                    act[(r0 + r) * inter + t * CHANNELS + c] = FROM_F(silu * ROUND(up[r][c]));
+                }
+        }
+    }
+}
+
+/* After a sublayer: this thread's copy of the stream, res = from + delta (rounded), h = norm(res) for
+ * every row (RMSNorm with the residual add, as the torch path), and its share [lo, hi) of the
+ * elements written to the shared buffer ``to`` (no barrier: see decode_step). */
+static void NAME(add_and_norm)(const ELEM *delta, const ELEM *from, ELEM *to, ELEM *res,
+                         const ELEM *norm, ELEM *h, int64_t batch, int64_t hidden, float eps, int64_t lo,
+                         int64_t hi) {
+    memcpy(res, from, (size_t)(batch * hidden) * sizeof(ELEM));
+    for (int64_t b = 0; b < batch; ++b)
+        rms_norm_row(delta + b * hidden, res + b * hidden, norm, h + b * hidden, hidden, eps, IS_BF16);
+    memcpy(to + lo, res + lo, (size_t)(hi - lo) * sizeof(ELEM));
+}
+
+static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hidden, int64_t inter, int64_t heads,
+                             int64_t kv_heads, int64_t dim, float eps, float scale, ELEM *stream, const float *cos,
+                             const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots,
+                             const int64_t *lens, int64_t max_len, int64_t batch, int num_threads) {
+    const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
+    const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
+    if (num_threads < 1) num_threads = 1;
+    const int64_t widest = qkv_width > inter ? qkv_width : inter, rows = batch * hidden;
+    /* shared: delta, the second residual buffer, wide, attn; per thread: its residual and normed rows */
+    const size_t bytes = (size_t)(2 * rows + batch * (widest + q_width) + 2 * num_threads * rows) * sizeof(ELEM);
+    ELEM *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (scratch == NULL) return -3;
+    ELEM *delta = scratch, *other = delta + rows, *wide = other + rows, *attn = wide + batch * widest;
+    ELEM *private_rows = attn + batch * q_width;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float q[MAX_GROUP * MAX_DIM], o[MAX_GROUP * MAX_DIM], lse[MAX_GROUP];
+        const int me = omp_get_thread_num(), team = omp_get_num_threads();
+        ELEM *res = private_rows + (int64_t)me * 2 * rows, *h = res + rows;
+        /* The residual stream lives in two shared buffers, read from one and written to the other
+         * at each update: every thread adds the sublayer's output to the whole stream in its own
+         * copy (and norms it there: no barrier), and writes back its share of the elements. The
+         * buffer it writes was last read an update earlier, at least one barrier ago. */
+        ELEM *buffers[2] = {stream, other};
+        int64_t updates = 0;
+        const int64_t share_lo = rows * me / team, share_hi = rows * (me + 1) / team;
+        for (int64_t layer = 0; layer < num_layers; ++layer) {
+            void *const *p = layers + layer * PER_LAYER;
+            const ELEM *w_qkv = p[0], *w_o = p[1], *w_gate_up = p[2], *w_down = p[3], *norm1 = p[4], *norm2 = p[5];
+            ELEM *k_pool = p[6], *v_pool = p[7];
+            if (layer == 0) {
+                for (int64_t b = 0; b < batch; ++b)
+                    rms_norm_row(stream + b * hidden, NULL, norm1, h + b * hidden, hidden, eps, IS_BF16);
+            } else {
+                NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm1, h, batch, hidden, eps,
+                             share_lo, share_hi);
+                ++updates;
+            }
+            NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+            for (int64_t b = 0; b < batch; ++b) {
+                for (int64_t g = 0; g < kv_heads; ++g) {
+                    /* this row's q heads of group g and its K/V head g: rotated, K/V written to the pool */
+                    ELEM *row = wide + b * qkv_width, *qb = row + g * group * dim;
+                    ELEM *k = row + q_width + g * dim, *v = k + kv_width;
+                    rope_row(qb, cos + b * dim, signed_sin + b * dim, group, dim, IS_BF16);
+                    rope_row(k, cos + b * dim, signed_sin + b * dim, 1, dim, IS_BF16);
+                    memcpy(k_pool + slot_mapping[b] * kv_width + g * dim, k, (size_t)dim * sizeof(ELEM));
+                    memcpy(v_pool + slot_mapping[b] * kv_width + g * dim, v, (size_t)dim * sizeof(ELEM));
+                    for (int64_t i = 0; i < group * dim; ++i) q[i] = TO_F(qb[i]);
+                    paged_decode_head(q, k_pool, v_pool, IS_BF16, IS_BF16, ctx_slots + b * max_len, lens[b], kv_heads, dim, g,
+                                      group, scale, o, lse);
+                    ELEM *out = attn + b * q_width + g * group * dim;
+                    for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
+                }
+            }
+            NAME(project)(w_o, q_width, hidden, attn, batch, delta);
+            NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm2, h, batch, hidden, eps,
+                         share_lo, share_hi);
+            ++updates;
+            NAME(gate_up_silu)(w_gate_up, hidden, inter, h, batch, wide);
+            NAME(project)(w_down, inter, hidden, wide, batch, delta);
+        }
+        const ELEM *last = buffers[updates % 2];
+        for (int64_t i = share_lo; i < share_hi; ++i)
+            stream[i] = FROM_F(TO_F(last[i]) + TO_F(delta[i]));
+    }
+    free(scratch);
+    return 0;
+}
