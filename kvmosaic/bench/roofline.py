@@ -2,9 +2,10 @@
 this process with torch — the GEMM peak per dtype (float32, bfloat16) and the memory bandwidth
 — so that a benchmark can say how close an engine comes to them ("at X% of the machine").
 
-- GEMM: ``torch.matmul`` of a large square product and of the model's own prefill shapes (one
-  layer's QKV, output, gate/up and down projections for ``tokens`` rows), each the best of
-  ``repeats`` timed runs after a warm-up; a dtype's peak is the better of the two.
+- GEMM: a large square product and the model's own prefill shapes (one layer's QKV, output,
+  gate/up and down projections for ``tokens`` rows), each the best of ``repeats`` timed runs
+  after a warm-up, by the faster of ``torch.matmul`` and oneDNN's pre-packed linear; a dtype's
+  peak is the better of the two.
 - Memory: a read (``sum`` over a tensor far larger than any cache) and a copy, best of
   ``repeats``; GB/s counts bytes read (+ written, for the copy). The read is the decode floor's
   denominator: a decode step reads its weights.
@@ -69,7 +70,10 @@ def model_shapes(model: str | None) -> list[tuple[int, int]]:
 
 
 def gemm_gflops(dtype: str, shapes: list[tuple[int, int, int]], repeats: int) -> float:
-    """GFLOP/s of the products (m, k, n) run back to back, best of ``repeats``."""
+    """GFLOP/s of the products (m, k, n) run back to back, best of ``repeats``, by the faster of
+    ``torch.matmul`` and oneDNN's pre-packed linear where torch has it (what the engine's
+    projections run: model/packed_linear.py; MKL's float32 GEMM takes a path without AVX-512 on
+    AMD CPUs, at less than half of oneDNN's rate)."""
     import torch
 
     dt = getattr(torch, dtype)
@@ -81,7 +85,18 @@ def gemm_gflops(dtype: str, shapes: list[tuple[int, int, int]], repeats: int) ->
         for a, b in ops:
             torch.matmul(a, b)
 
-    return flops / _best(run, repeats) / 1e9
+    best = _best(run, repeats)
+    try:
+        packed = [(a, torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), None)) for a, b in ops]
+
+        def run_packed() -> None:
+            for a, w in packed:
+                torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
+
+        best = min(best, _best(run_packed, repeats))
+    except (AttributeError, RuntimeError):  # no oneDNN in this torch build
+        pass
+    return flops / best / 1e9
 
 
 def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:

@@ -266,7 +266,8 @@ class LlamaForCausalLM(nn.Module):
 
     def pack_linears(self) -> int:
         """Swap every projection (and the LM head) for a oneDNN pre-packed one where that
-        gives identical results (CPU bfloat16). Returns how many were packed."""
+        gives the same results (CPU bfloat16: identical; float32: to rounding, see
+        packed_linear.py). Returns how many were packed."""
         from .packed_linear import try_pack
 
         count = 0

@@ -1,9 +1,14 @@
-"""oneDNN pre-packed linear layers for CPU bfloat16.
+"""oneDNN pre-packed linear layers for CPU bfloat16 and float32.
 
 ``F.linear`` on a plain bfloat16 weight re-lays the weight out for oneDNN on every call; at
 decode (one token per sequence) that dominates. Packing once at load time makes decode GEMVs
 2-3x faster on AVX-512 machines, with bit-identical results (checked on construction; any
 mismatch or a missing op keeps the plain layer).
+
+In float32 ``F.linear`` runs MKL, which on an AMD CPU takes a path without AVX-512: ~200 GFLOP/s
+on the 2-core AMD EPYC where oneDNN's packed float32 GEMM runs ~480 (BENCHMARKS.md, issue 26). The
+packed layer is float32 throughout but sums in another order than MKL, so it is checked against
+``F.linear`` to float32 rounding (``F32_RTOL`` of the output's scale), not for equality.
 """
 
 from __future__ import annotations
@@ -25,21 +30,29 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
+F32_RTOL = 1e-5  # of the largest output: float32 summation-order noise is ~1e-6 of it
+
+
 def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     return (
         device.type == "cpu"
-        and dtype == torch.bfloat16
+        and dtype in (torch.bfloat16, torch.float32)
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
 
 
 def try_pack(weight: torch.Tensor) -> nn.Module | None:
-    """A PackedLinear for ``weight`` if it gives exactly what ``F.linear`` gives, else None."""
+    """A PackedLinear for ``weight`` if it gives what ``F.linear`` gives (bfloat16: exactly;
+    float32: to ``F32_RTOL``), else None."""
     try:
         packed = PackedLinear(weight)
         x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-        if torch.equal(packed(x), nn.functional.linear(x, weight)):
+        got, want = packed(x), nn.functional.linear(x, weight)
+        if weight.dtype == torch.float32:
+            if (got - want).abs().max() <= F32_RTOL * want.abs().max():
+                return packed
+        elif torch.equal(got, want):
             return packed
     except (RuntimeError, AttributeError):
         pass
