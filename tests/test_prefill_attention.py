@@ -1,7 +1,8 @@
-"""The bfloat16 causal prefill attention kernel (model/kernels/prefill.py, prefill_attention.c;
-docs/ARCHITECTURE.md, "Prefill attention"): as accurate as torch's own bfloat16 attention against
-float32, a query row's result the same bits whatever part of its context came from the cache, and
-the engine's greedy outputs with it, cache on and off, within the stated bfloat16 tolerance."""
+"""The causal prefill attention kernel (model/kernels/prefill.py, prefill_attention.c;
+docs/ARCHITECTURE.md, "Prefill attention"), bfloat16 and float32: as accurate as torch's own
+attention in the same dtype against float64, a query row's result the same bits whatever part of
+its context came from the cache, and the engine's greedy outputs with it, cache on and off, within
+the stated bfloat16 tolerance (float32: tests/test_cache_equivalence.py's 1e-4)."""
 
 from __future__ import annotations
 
@@ -14,15 +15,16 @@ from kvmosaic.model.kernels import prefill
 from tests.conftest import assert_greedy_within, make_llm, record_logits
 from tests.test_batch_composition import BF16_LOGIT_TOL
 
-pytestmark = pytest.mark.skipif(not prefill._checked(), reason="no bfloat16 prefill attention kernel on this CPU")
+DTYPES = [pytest.param(dtype, marks=pytest.mark.skipif(not prefill._checked(dtype), reason=f"no {dtype} kernel here"))
+          for dtype in (torch.bfloat16, torch.float32)]
 
 
-def _case(num_tokens: int, past: int, heads: int, kv_heads: int, dim: int, seed: int = 0):
+def _case(num_tokens: int, past: int, heads: int, kv_heads: int, dim: int, seed: int = 0, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
     ctx = past + num_tokens
-    k, v = (torch.randn(ctx + 13, kv_heads, dim, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(ctx + 13, kv_heads, dim, generator=g).to(dtype) for _ in range(2))
     slots = torch.randperm(ctx + 13, generator=g)[:ctx]  # the pool in any order, as blocks are
-    q = torch.randn(num_tokens, heads, dim, generator=g).to(torch.bfloat16)
+    q = torch.randn(num_tokens, heads, dim, generator=g).to(dtype)
     return q, k, v, slots
 
 
@@ -33,29 +35,32 @@ def _reference(q, k, v, slots, scale, dtype):
     mask = torch.ones(num_tokens, slots.numel(), dtype=torch.bool).tril(past)
     kk, vv = (x[slots].to(dtype).transpose(0, 1).repeat_interleave(group, 0) for x in (k, v))
     out = F.scaled_dot_product_attention(q.to(dtype).transpose(0, 1), kk, vv, attn_mask=mask, scale=scale)
-    return out.transpose(0, 1).float()
+    return out.transpose(0, 1)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(("num_tokens", "past", "heads", "kv_heads", "dim"), [
     (1, 0, 4, 4, 64), (1, 90, 9, 3, 64), (37, 0, 9, 3, 64), (150, 0, 9, 3, 64), (29, 200, 6, 2, 64),
     (64, 0, 32, 8, 128), (5, 70, 8, 8, 128),
 ])
-def test_as_accurate_as_torch_bfloat16(num_tokens, past, heads, kv_heads, dim):
-    q, k, v, slots = _case(num_tokens, past, heads, kv_heads, dim)
+def test_as_accurate_as_torch_in_the_same_dtype(num_tokens, past, heads, kv_heads, dim, dtype):
+    q, k, v, slots = _case(num_tokens, past, heads, kv_heads, dim, dtype=dtype)
     scale = dim**-0.5
     out = prefill.prefill_attention(q, k, v, slots, scale)
-    assert out is not None and out.dtype == torch.bfloat16 and out.shape == q.shape
-    exact = _reference(q, k, v, slots, scale, torch.float32)
-    torch_bf16 = _reference(q, k, v, slots, scale, torch.bfloat16)
-    err, torch_err = (out.float() - exact).abs().max().item(), (torch_bf16 - exact).abs().max().item()
-    assert err <= 1.5 * torch_err + 2e-3, f"kernel {err} vs torch bfloat16 {torch_err}"
+    assert out is not None and out.dtype == dtype and out.shape == q.shape
+    exact = _reference(q, k, v, slots, scale, torch.float64)
+    same_dtype = _reference(q, k, v, slots, scale, dtype)
+    err, torch_err = (out.double() - exact).abs().max().item(), (same_dtype.double() - exact).abs().max().item()
+    floor = 2e-3 if dtype == torch.bfloat16 else 1e-6
+    assert err <= 1.5 * torch_err + floor, f"kernel {err} vs torch {dtype} {torch_err}"
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
-def test_a_row_does_not_depend_on_what_came_from_the_cache(dim):
+def test_a_row_does_not_depend_on_what_came_from_the_cache(dim, dtype):
     """The same rows computed with all of the prompt in the step, with its first part cached
     (only the rest as queries), and one at a time: the same bits."""
-    q, k, v, slots = _case(61, 0, 6, 2, dim, seed=1)
+    q, k, v, slots = _case(61, 0, 6, 2, dim, seed=1, dtype=dtype)
     whole = prefill.prefill_attention(q, k, v, slots, 0.1)
     for cached in (1, 16, 33, 60):
         tail = prefill.prefill_attention(q[cached:], k, v, slots, 0.1)
@@ -67,12 +72,13 @@ def test_a_row_does_not_depend_on_what_came_from_the_cache(dim):
 
 def test_declines_what_it_does_not_serve():
     q, k, v, slots = _case(8, 4, 4, 2, 64)
-    assert prefill.prefill_attention(q.float(), k, v, slots, 0.125) is None  # float32 queries
-    assert prefill.prefill_attention(q, k.float(), v.float(), slots, 0.125) is None  # float32 pool
+    assert prefill.prefill_attention(q.float(), k, v, slots, 0.125) is None  # dtypes that differ
+    assert prefill.prefill_attention(q.half(), k.half(), v.half(), slots, 0.125) is None  # float16
     q96, k96, v96, slots96 = _case(8, 4, 4, 2, 96)
     assert prefill.prefill_attention(q96, k96, v96, slots96, 0.125) is None  # head dim 96
 
 
+@pytest.mark.skipif(not prefill._checked(torch.bfloat16), reason="no bfloat16 kernel here")
 def test_engine_greedy_cache_on_and_off_in_bfloat16(tokenizer, monkeypatch):
     """Cached prefixes, chunked prefill: greedy tokens within the bfloat16 tolerance of the cache off
     (oneDNN's bfloat16 GEMMs are row-invariant only up to 32 rows: test_batch_composition.py)."""

@@ -8,9 +8,9 @@ Only what torch has no fast path for lives here:
 * :func:`rms_norm` (with the residual add) and :func:`rope_` do in one pass what takes torch
   four to ten operator calls each (``elementwise.c``): at decode, with one token per sequence,
   those calls' dispatch is a large part of the step. They round where torch rounds;
-* ``prefill.prefill_attention``: causal prefill attention in bfloat16 over the pool in place,
-  on AVX512-BF16 (``prefill_attention.c``), where torch's flash kernel ran at ~10% of the GEMM
-  peak on a CPU without AMX;
+* ``prefill.prefill_attention``: causal prefill attention over the pool in place, bfloat16 on
+  AVX512-BF16 and float32 on AVX-512 (``prefill_attention.c``), where torch's flash kernel ran
+  at ~10% of the GEMM peak on a CPU without AMX;
 * :func:`q4_1_matmul` and :func:`q4_1_dequantize` compute with a GGUF's own Q4_1 blocks
   (``q4_1_matmul.c``, for ``quantization="gguf"``: model/quant_gguf.py); checked at load
   against a torch reference on their own (:func:`q4_1_available`), so a disagreement turns off
@@ -105,6 +105,7 @@ def _library() -> ctypes.CDLL | None:
         "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, i32, i32]),
         "linear_rows": (i32, [ptr, i64, i64, ptr, i64, ptr, i32, i32]),
         "prefill_attention": (i32, [ptr] * 4 + [i64] * 5 + [f32, ptr, i32]),
+        "prefill_attention_f32": (i32, [ptr] * 4 + [i64] * 5 + [f32, ptr, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -22,16 +22,12 @@
 
 #include "bf16.h"
 
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
 
-#define BLOCK 32
-#ifndef ROWS_D64
-#define ROWS_D64 7
-#endif
-#ifndef ROWS_D128
+#define BLOCK 32    /* keys per online-softmax step: two 16-lane score vectors per row */
+#define ROWS_D64 7  /* query rows per bfloat16 tile: as many as the registers hold (measured) */
 #define ROWS_D128 4
-#endif /* keys per online-softmax step: two 16-lane score vectors per row */
 
 /* exp_clamped (bf16.h) on 16 lanes: the same polynomial, 2^n by VSCALEFPS. */
 static inline __m512 exp512(__m512 x) {
@@ -49,7 +45,9 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+#endif
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
 static inline __m512bh broadcast_pair(const uint16_t *p) {
     int32_t pair;
     memcpy(&pair, p, sizeof pair);
@@ -201,6 +199,141 @@ int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t 
                     tile_d64(q_rows, last, nr, kt, vt, scale, out_rows);
                 else
                     tile_d128(q_rows, last, nr, kt, vt, scale, out_rows);
+            }
+        }
+    }
+    free(packed);
+    return 0;
+#else
+    (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
+    (void)dim, (void)scale, (void)out, (void)num_threads;
+    return -2;
+#endif
+}
+
+#if defined(__AVX512F__)
+/* float32: K of head g as [ctx_pad/16][D][16] (a lane is one key), V gathered as [ctx_pad][D];
+ * zeros past ctx. */
+static void pack_f32(const float *k_pool, const float *v_pool, const int64_t *slots, int64_t ctx, int64_t ctx_pad,
+                     int64_t kv_heads, int64_t g, int64_t dim, float *kt, float *v) {
+    for (int64_t j = 0; j < ctx_pad; ++j) {
+        const float *krow = j < ctx ? k_pool + (slots[j] * kv_heads + g) * dim : NULL;
+        const float *vrow = j < ctx ? v_pool + (slots[j] * kv_heads + g) * dim : NULL;
+        float *tile = kt + (j / 16) * 16 * dim + j % 16;
+        for (int64_t d = 0; d < dim; ++d) tile[d * 16] = krow ? krow[d] : 0.0f;
+        if (vrow) memcpy(v + j * dim, vrow, (size_t)dim * sizeof(float));
+        else memset(v + j * dim, 0, (size_t)dim * sizeof(float));
+    }
+}
+
+/* The float32 tile: as DEFINE_TILE, scores and P.V by FMA, P kept in float32 (torch's float32
+ * flash kernel does not round it). */
+#define DEFINE_TILE_F32(NAME, ROWS, DV)                                                                              \
+    static void NAME(const float *const *q_rows, const int64_t *last, int nr, const float *kt, const float *vv,     \
+                     float scale, float *const *out_rows) {                                                          \
+        const int64_t dim = DV * 16;                                                                                 \
+        const __m512 minus_inf = _mm512_set1_ps(-INFINITY);                                                          \
+        __m512 acc[ROWS][DV];                                                                                        \
+        float m[ROWS], l[ROWS];                                                                                      \
+        int64_t reach = 0;                                                                                           \
+        for (int r = 0; r < ROWS; ++r) {                                                                             \
+            for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();                                           \
+            m[r] = -INFINITY, l[r] = 0.0f;                                                                           \
+            if (r < nr && last[r] + 1 > reach) reach = last[r] + 1;                                                  \
+        }                                                                                                            \
+        for (int64_t j0 = 0; j0 < reach; j0 += BLOCK) {                                                              \
+            __m512 s[ROWS][2];                                                                                       \
+            for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();                                 \
+            const float *k0 = kt + j0 * dim, *k1 = k0 + 16 * dim;                                                    \
+            for (int64_t d = 0; d < dim; ++d) {                                                                      \
+                const __m512 a = _mm512_loadu_ps(k0 + d * 16), b = _mm512_loadu_ps(k1 + d * 16);                     \
+                for (int r = 0; r < ROWS; ++r) {                                                                     \
+                    const __m512 qd = _mm512_set1_ps(q_rows[r][d]);                                                  \
+                    s[r][0] = _mm512_fmadd_ps(a, qd, s[r][0]);                                                       \
+                    s[r][1] = _mm512_fmadd_ps(b, qd, s[r][1]);                                                       \
+                }                                                                                                    \
+            }                                                                                                        \
+            float probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                   \
+            for (int r = 0; r < ROWS; ++r) {                                                                         \
+                const int64_t visible = last[r] - j0 + 1;                                                            \
+                if (visible <= 0) {                                                                                  \
+                    memset(probs[r], 0, sizeof probs[r]);                                                            \
+                    continue;                                                                                        \
+                }                                                                                                    \
+                const __mmask16 lo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);                      \
+                const __mmask16 hi = visible >= 32 ? 0xffff : visible <= 16 ? 0 : (__mmask16)((1u << (visible - 16)) - 1); \
+                const __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));                                    \
+                const __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));                                    \
+                const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(minus_inf, lo, x0),         \
+                                                                     _mm512_mask_mov_ps(minus_inf, hi, x1)));        \
+                const float m_new = m[r] > top ? m[r] : top;                                                         \
+                const float correction = exp_clamped(m[r] - m_new);                                                  \
+                const __m512 p0 = _mm512_maskz_mov_ps(lo, exp512(_mm512_sub_ps(x0, _mm512_set1_ps(m_new))));        \
+                const __m512 p1 = _mm512_maskz_mov_ps(hi, exp512(_mm512_sub_ps(x1, _mm512_set1_ps(m_new))));        \
+                l[r] = l[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));                              \
+                m[r] = m_new;                                                                                        \
+                if (correction != 1.0f)                                                                              \
+                    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));  \
+                _mm512_store_ps(probs[r], p0);                                                                       \
+                _mm512_store_ps(probs[r] + 16, p1);                                                                  \
+            }                                                                                                        \
+            for (int j = 0; j < BLOCK; ++j) {                                                                        \
+                __m512 v[DV];                                                                                        \
+                for (int c = 0; c < DV; ++c) v[c] = _mm512_loadu_ps(vv + (j0 + j) * dim + c * 16);                   \
+                for (int r = 0; r < ROWS; ++r) {                                                                     \
+                    const __m512 p = _mm512_set1_ps(probs[r][j]);                                                    \
+                    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_fmadd_ps(v[c], p, acc[r][c]);                   \
+                }                                                                                                    \
+            }                                                                                                        \
+        }                                                                                                            \
+        for (int r = 0; r < nr; ++r) {                                                                               \
+            const __m512 inv = _mm512_set1_ps(1.0f / l[r]);                                                          \
+            for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out_rows[r] + c * 16, _mm512_mul_ps(acc[r][c], inv));      \
+        }                                                                                                            \
+    }
+
+DEFINE_TILE_F32(tile_f32_d64, 6, 4)
+DEFINE_TILE_F32(tile_f32_d128, 3, 8)
+#endif
+
+/* prefill_attention in float32 (AVX-512): the same contract, P not rounded. */
+int prefill_attention_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots, int64_t ctx,
+                          int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t dim, float scale, float *out,
+                          int num_threads) {
+#if defined(__AVX512F__)
+    if ((dim != 64 && dim != 128) || kv_heads < 1 || heads % kv_heads || num_tokens > ctx || num_tokens < 0) return -1;
+    if (num_tokens == 0) return 0;
+    const int rows = dim == 64 ? 6 : 3;
+    const int64_t group = heads / kv_heads, past = ctx - num_tokens, ctx_pad = (ctx + BLOCK - 1) / BLOCK * BLOCK;
+    const size_t per_head = (size_t)(2 * ctx_pad * dim);
+    float *packed = aligned_alloc(64, (per_head * kv_heads * sizeof(float) + 63) / 64 * 64);
+    if (packed == NULL) return -3;
+    const int64_t tiles = (num_tokens + rows - 1) / rows;
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < kv_heads; ++g)
+            pack_f32(k_pool, v_pool, slots, ctx, ctx_pad, kv_heads, g, dim, packed + g * per_head,
+                     packed + g * per_head + ctx_pad * dim);
+#pragma omp for collapse(2) schedule(dynamic, 1)
+        for (int64_t t = tiles - 1; t >= 0; --t) {
+            for (int64_t h = 0; h < heads; ++h) {
+                const float *kt = packed + (h / group) * per_head, *vv = kt + ctx_pad * dim;
+                const float *q_rows[8];
+                float *out_rows[8];
+                int64_t last[8];
+                const int64_t i0 = t * rows;
+                const int nr = num_tokens - i0 < rows ? (int)(num_tokens - i0) : rows;
+                for (int r = 0; r < rows; ++r) {
+                    const int64_t i = r < nr ? i0 + r : i0;
+                    q_rows[r] = q + (i * heads + h) * dim;
+                    out_rows[r] = out + (i * heads + h) * dim;
+                    last[r] = past + i;
+                }
+                if (dim == 64)
+                    tile_f32_d64(q_rows, last, nr, kt, vv, scale, out_rows);
+                else
+                    tile_f32_d128(q_rows, last, nr, kt, vv, scale, out_rows);
             }
         }
     }
