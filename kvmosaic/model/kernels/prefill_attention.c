@@ -45,6 +45,32 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, n);
 }
+
+/* One row's online-softmax step over a 32-key block of raw scores s0 (keys 0-15) and s1 (16-31),
+ * of which the first ``visible`` are before the row's position: p0, p1 get exp(score * scale -
+ * new max), exactly 0 past ``visible``; the row's running max and sum are updated; returns the
+ * factor its accumulator must be scaled by, or 0 when the block is wholly past the row (nothing
+ * to add: p0 = p1 = 0, max and sum unchanged). */
+static inline float softmax_block(__m512 s0, __m512 s1, int64_t visible, float scale, float *m, float *l,
+                                  __m512 *p0, __m512 *p1) {
+    if (visible <= 0) {
+        *p0 = *p1 = _mm512_setzero_ps();
+        return 0.0f;
+    }
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    const __mmask16 lo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);
+    const __mmask16 hi = visible >= 32 ? 0xffff : visible <= 16 ? 0 : (__mmask16)((1u << (visible - 16)) - 1);
+    const __m512 x0 = _mm512_mul_ps(s0, _mm512_set1_ps(scale)), x1 = _mm512_mul_ps(s1, _mm512_set1_ps(scale));
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(minus_inf, lo, x0),
+                                                         _mm512_mask_mov_ps(minus_inf, hi, x1)));
+    const float m_new = *m > top ? *m : top;
+    const float correction = exp_clamped(*m - m_new);
+    *p0 = _mm512_maskz_mov_ps(lo, exp512(_mm512_sub_ps(x0, _mm512_set1_ps(m_new))));
+    *p1 = _mm512_maskz_mov_ps(hi, exp512(_mm512_sub_ps(x1, _mm512_set1_ps(m_new))));
+    *l = *l * correction + _mm512_reduce_add_ps(_mm512_add_ps(*p0, *p1));
+    *m = m_new;
+    return correction;
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -83,7 +109,6 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
     static void NAME(const uint16_t *const *q_rows, const int64_t *last, int nr, const uint16_t *kt,               \
                      const uint16_t *vt, float scale, uint16_t *const *out_rows) {                                  \
         const int64_t dim = DV * 16;                                                                                 \
-        const __m512 minus_inf = _mm512_set1_ps(-INFINITY);                                                          \
         __m512 acc[ROWS][DV];                                                                                        \
         float m[ROWS], l[ROWS];                                                                                      \
         int64_t reach = 0;                                                                                           \
@@ -107,24 +132,10 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
             }                                                                                                        \
             uint16_t probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                \
             for (int r = 0; r < ROWS; ++r) {                                                                         \
-                const int64_t visible = last[r] - j0 + 1; /* keys of this block row r sees (may be <= 0) */           \
-                if (visible <= 0) { /* the whole block is past this row: nothing to add */                           \
-                    memset(probs[r], 0, sizeof probs[r]);                                                            \
-                    continue;                                                                                        \
-                }                                                                                                    \
-                const __mmask16 lo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);                      \
-                const __mmask16 hi = visible >= 32 ? 0xffff : visible <= 16 ? 0 : (__mmask16)((1u << (visible - 16)) - 1); \
-                const __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));                                    \
-                const __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));                                    \
-                const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(minus_inf, lo, x0),         \
-                                                                     _mm512_mask_mov_ps(minus_inf, hi, x1)));        \
-                const float m_new = m[r] > top ? m[r] : top;                                                         \
-                const float correction = exp_clamped(m[r] - m_new);                                                  \
-                const __m512 p0 = _mm512_maskz_mov_ps(lo, exp512(_mm512_sub_ps(x0, _mm512_set1_ps(m_new))));        \
-                const __m512 p1 = _mm512_maskz_mov_ps(hi, exp512(_mm512_sub_ps(x1, _mm512_set1_ps(m_new))));        \
-                l[r] = l[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));                              \
-                m[r] = m_new;                                                                                        \
-                if (correction != 1.0f)                                                                              \
+                __m512 p0, p1;                                                                                       \
+                const float correction = softmax_block(s[r][0], s[r][1], last[r] - j0 + 1, scale, &m[r], &l[r],      \
+                                                       &p0, &p1);                                                    \
+                if (correction != 1.0f && correction != 0.0f)                                                        \
                     for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));  \
                 _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));                                  \
             }                                                                                                        \
@@ -232,7 +243,6 @@ static void pack_f32(const float *k_pool, const float *v_pool, const int64_t *sl
     static void NAME(const float *const *q_rows, const int64_t *last, int nr, const float *kt, const float *vv,     \
                      float scale, float *const *out_rows) {                                                          \
         const int64_t dim = DV * 16;                                                                                 \
-        const __m512 minus_inf = _mm512_set1_ps(-INFINITY);                                                          \
         __m512 acc[ROWS][DV];                                                                                        \
         float m[ROWS], l[ROWS];                                                                                      \
         int64_t reach = 0;                                                                                           \
@@ -255,24 +265,10 @@ static void pack_f32(const float *k_pool, const float *v_pool, const int64_t *sl
             }                                                                                                        \
             float probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                   \
             for (int r = 0; r < ROWS; ++r) {                                                                         \
-                const int64_t visible = last[r] - j0 + 1;                                                            \
-                if (visible <= 0) {                                                                                  \
-                    memset(probs[r], 0, sizeof probs[r]);                                                            \
-                    continue;                                                                                        \
-                }                                                                                                    \
-                const __mmask16 lo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);                      \
-                const __mmask16 hi = visible >= 32 ? 0xffff : visible <= 16 ? 0 : (__mmask16)((1u << (visible - 16)) - 1); \
-                const __m512 x0 = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));                                    \
-                const __m512 x1 = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));                                    \
-                const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(minus_inf, lo, x0),         \
-                                                                     _mm512_mask_mov_ps(minus_inf, hi, x1)));        \
-                const float m_new = m[r] > top ? m[r] : top;                                                         \
-                const float correction = exp_clamped(m[r] - m_new);                                                  \
-                const __m512 p0 = _mm512_maskz_mov_ps(lo, exp512(_mm512_sub_ps(x0, _mm512_set1_ps(m_new))));        \
-                const __m512 p1 = _mm512_maskz_mov_ps(hi, exp512(_mm512_sub_ps(x1, _mm512_set1_ps(m_new))));        \
-                l[r] = l[r] * correction + _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));                              \
-                m[r] = m_new;                                                                                        \
-                if (correction != 1.0f)                                                                              \
+                __m512 p0, p1;                                                                                       \
+                const float correction = softmax_block(s[r][0], s[r][1], last[r] - j0 + 1, scale, &m[r], &l[r],      \
+                                                       &p0, &p1);                                                    \
+                if (correction != 1.0f && correction != 0.0f)                                                       \
                     for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));  \
                 _mm512_store_ps(probs[r], p0);                                                                       \
                 _mm512_store_ps(probs[r] + 16, p1);                                                                  \
