@@ -67,6 +67,31 @@ def test_rope_in_place_equals_torch_bit_for_bit(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_mul_rounds_as_torch(dtype, rows):
+    """``F.silu(gate) * up`` of the fused gate/up output: bfloat16 equal to torch but for rare ties
+    of SiLU's exp (the kernels' own, ~1e-7 relative, clamped at exp(88): silu(-90) is -5e-37
+    where torch's exp overflows to give -0); float32 within that exp's error. A width that is not
+    a multiple of 16 runs the scalar tail, which agrees with the vector loop."""
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 2 * 1539, generator=g) * 4).to(dtype)
+    x[0, :8] = torch.tensor([0.0, -0.0, 90.0, -90.0, 1e-30, -1e-30, 20.0, -20.0])
+    gate, up = x.chunk(2, dim=-1)
+    got, want = kernels.silu_mul(x), F.silu(gate) * up
+    assert got.dtype == dtype and got.shape == (rows, 1539)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    else:
+        step = want.float().abs() * 2**-7 + 1e-35
+        assert ((got.float() - want.float()).abs() <= step).all()
+        assert (got == want).float().mean() > 0.999
+    tail = kernels.silu_mul(x[:, list(range(1536, 1539)) + list(range(1539 + 1536, 3078))].contiguous())
+    assert torch.equal(tail, got[:, 1536:])  # the scalar tail against the vector loop, same elements
+    strided = torch.cat([x, x[:, :5]], dim=1)[:, : 2 * 1539]  # rows with a longer stride
+    assert torch.equal(kernels.silu_mul(strided), got)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_model_logits_with_and_without_the_kernels(dtype, monkeypatch):
     """The shipped model's logits over a prefill and a batched decode, kernels on against the
     torch operators; float32 within summation order, bfloat16 within its rounding."""

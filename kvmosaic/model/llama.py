@@ -167,7 +167,10 @@ class DecoderLayer(nn.Module):
         return q, k, qkv[:, self.split_qk_v[0] :].view(-1, self.num_kv_heads, self.head_dim)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(h)
+        if self.act is F.silu and gate_up.dim() == 2 and kernels.elementwise_available(gate_up):
+            return self.down_proj(kernels.silu_mul(gate_up))  # one pass, rounded as the line below
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 
     def attend(self, q: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:

@@ -203,9 +203,13 @@ class OpenAIIngress:
 
         async def one(rid: str) -> Answer | None:
             try:
-                return await asyncio.wait_for(self.ask(method, path, headers, pin=rid), timeout=10)
-            except (ReplicaUnavailable, asyncio.TimeoutError, *REPLICA_GONE):
+                answer = await asyncio.wait_for(self.ask(method, path, headers, pin=rid), timeout=10)
+            except (ReplicaUnavailable, asyncio.TimeoutError, *REPLICA_GONE) as e:
+                log.warning("replica %s did not answer %s %s: %r", rid, method, path, e)
                 return None
+            if answer.replica != rid:
+                log.warning("%s %s pinned to replica %s was answered by %s", method, path, rid, answer.replica)
+            return answer
 
         return dict(zip(ids, await asyncio.gather(*(one(r) for r in ids)), strict=True))
 

@@ -5,8 +5,8 @@ Only what torch has no fast path for lives here:
 * :func:`paged_decode_attention` reads a decode batch's K and V in place in the paged pool
   (``paged_decode.c``), where the torch path gathers every context into a padded copy and
   upcasts it to float32 (``model/attention.py``);
-* :func:`rms_norm` (with the residual add) and :func:`rope_` do in one pass what takes torch
-  four to ten operator calls each (``elementwise.c``): at decode, with one token per sequence,
+* :func:`rms_norm` (with the residual add), :func:`rope_` and :func:`silu_mul` do in one pass
+  what takes torch two to ten operator calls each (``elementwise.c``): at decode, with one token per sequence,
   those calls' dispatch is a large part of the step. They round where torch rounds;
 * ``prefill.prefill_attention``: causal prefill attention over the pool in place, bfloat16 on
   AVX512-BF16 and float32 on AVX-512 (``prefill_attention.c``), where torch's flash kernel ran
@@ -100,6 +100,7 @@ def _library() -> ctypes.CDLL | None:
         "paged_decode_attention": (i32, [ptr] * 3 + [i32] * 2 + [ptr] * 2 + [i64] * 5 + [f32, ptr, ptr, i32]),
         "rms_norm": (None, [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32]),
         "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32]),
+        "silu_mul": (None, [ptr, i64, ptr, i64, i64, i32, i32]),
         "q4_1_matmul": (i32, [ptr] * 4 + [i32, i64, i64, i64, ptr, i32, i32]),
         "q4_1_dequantize": (i32, [ptr] * 3 + [i64, i64, ptr, i32, i32]),
         "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, i32, i32]),
@@ -213,6 +214,18 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
                     int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return x
 
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of ``x`` ``[rows, 2 * inter]`` (gate, then up: the fused projection's
+    output, rows contiguous), rounded as torch rounds ``F.silu(gate) * up``; SiLU's exp is the
+    kernels' own (``elementwise.h``), so a bfloat16 result can differ from torch's in rare ties."""
+    rows, width = x.shape
+    if not (_rows(x) and width % 2 == 0):
+        raise ValueError("silu_mul: unsupported layout")
+    out = x.new_empty(rows, width // 2)
+    _library().silu_mul(x.data_ptr(), x.stride(0), out.data_ptr(), rows, width // 2, int(x.dtype == torch.bfloat16),
+                        torch.get_num_threads())
+    return out
 
 
 # ---- Q4_1 (quantization="gguf") ----------------------------------------------------------

@@ -27,7 +27,8 @@ static void NAME(project)(const ELEM *w, int64_t in, int64_t out, const ELEM *x,
 }
 
 /* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
- * the dtype first, silu and the product too (w [2 * inter, in]: gate rows, then up rows). */
+ * the dtype first, silu (elementwise.h's, as the layer path's) and the product too (w [2 * inter,
+ * in]: gate rows, then up rows). */
 static void NAME(gate_up_silu)(const ELEM *w, int64_t in, int64_t inter, const ELEM *x, int64_t batch, ELEM *act) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < inter / CHANNELS; ++t) {
@@ -39,8 +40,7 @@ static void NAME(gate_up_silu)(const ELEM *w, int64_t in, int64_t inter, const E
             for (int r = 0; r < nr; ++r)
                 for (int c = 0; c < CHANNELS; ++c) {
                     const float g = ROUND(gate[r][c]);
-                    const float silu = ROUND(g / (1.0f + expf(-g)));
-                    act[(r0 + r) * inter + t * CHANNELS + c] = FROM_F(silu * ROUND(up[r][c]));
+                    act[(r0 + r) * inter + t * CHANNELS + c] = FROM_F(ROUND(silu(g)) * ROUND(up[r][c]));
                 }
         }
     }

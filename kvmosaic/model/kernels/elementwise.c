@@ -6,7 +6,8 @@
  *
  * In bfloat16 every step rounds where torch rounds: RMSNorm as Hugging Face's Llama does
  * (float32 statistics, the normalized row rounded to bfloat16, then times the weight and
- * rounded), RoPE as x * cos + rotate(x) * sin with each product and the sum rounded.
+ * rounded), RoPE as x * cos + rotate(x) * sin with each product and the sum rounded, SiLU(gate)
+ * * up with SiLU and the product rounded (SiLU's exp is ours: see elementwise.h).
  *
  * Each function is a loop over rows calling a row function with the dtype as a constant, so
  * the compiler makes a vectorized copy per dtype.
@@ -48,5 +49,20 @@ void rope(void *x, int64_t x_stride, const float *cos, const float *signed_sin, 
             rope_row(xt, cos + t * dim, signed_sin + t * dim, heads, dim, 1);
         else
             rope_row(xt, cos + t * dim, signed_sin + t * dim, heads, dim, 0);
+    }
+}
+
+/* act[r] = silu(gate[r]) * up[r], gate and up the two halves of x[r] (x [rows, 2 * inter], row
+ * stride x_stride in elements: the fused gate/up projection's output); act [rows, inter]. */
+void silu_mul(const void *x, int64_t x_stride, void *act, int64_t rows, int64_t inter, int bf16, int num_threads) {
+    const int64_t size = bf16 ? 2 : 4;
+#pragma omp parallel for num_threads(num_threads) if (rows >= PARALLEL_ROWS)
+    for (int64_t r = 0; r < rows; ++r) {
+        const char *gate = (const char *)x + r * x_stride * size, *up = gate + inter * size;
+        char *out = (char *)act + r * inter * size;
+        if (bf16)
+            silu_mul_row(gate, up, out, inter, 1);
+        else
+            silu_mul_row(gate, up, out, inter, 0);
     }
 }

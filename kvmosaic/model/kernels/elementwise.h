@@ -1,6 +1,6 @@
 /* The decoder's row functions with torch's roundings (elementwise.c's operators and
  * decode_step.c's fused layers both run them, so the two agree bit for bit): RMSNorm with the
- * residual add, the rotary embedding in place. One row (token) at a time; ``bf16`` is a constant
+ * residual add, the rotary embedding in place, SiLU(gate) * up. One row (token) at a time; ``bf16`` is a constant
  * at every call site, so the compiler makes a vectorized copy per dtype. */
 #ifndef KVMOSAIC_ELEMENTWISE_H
 #define KVMOSAIC_ELEMENTWISE_H
@@ -41,6 +41,31 @@ INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void
     for (int64_t d = 0; d < hidden; ++d) {
         const float n = bf16 ? round_bf16(row[d] * inv) : row[d] * inv;
         store(out, bf16, d, load(weight, bf16, d) * n);
+    }
+}
+
+/* silu(g) = g / (1 + exp(-g)), with exp_clamped: within an ulp or two of torch's float32 SiLU
+ * (Sleef's exp), so in bfloat16 it rounds to torch's value but for rare ties. */
+INLINE float silu(float g) { return g / (1.0f + exp_clamped(-g)); }
+
+/* act = silu(gate) * up over one row of ``inter`` elements, silu rounded to the dtype and the
+ * product too (torch's ``F.silu(gate) * up``). */
+INLINE void silu_mul_row(const void *gate, const void *up, void *act, int64_t inter, const int bf16) {
+    int64_t d = 0;
+#if defined(__AVX512F__) /* the loop below, 16 at a time (the compiler does not vectorize it in bfloat16) */
+    for (; d + 16 <= inter; d += 16) {
+        const __m512 g = bf16 ? bf16x16_to_float((const uint16_t *)gate + d) : _mm512_loadu_ps((const float *)gate + d);
+        const __m512 u = bf16 ? bf16x16_to_float((const uint16_t *)up + d) : _mm512_loadu_ps((const float *)up + d);
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+        if (bf16)
+            store_bf16x16((uint16_t *)act + d, _mm512_mul_ps(round_bf16x16(s), u));
+        else
+            _mm512_storeu_ps((float *)act + d, _mm512_mul_ps(s, u));
+    }
+#endif
+    for (; d < inter; ++d) {
+        const float s = silu(load(gate, bf16, d));
+        store(act, bf16, d, (bf16 ? round_bf16(s) : s) * load(up, bf16, d));
     }
 }
 

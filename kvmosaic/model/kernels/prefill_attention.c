@@ -29,47 +29,75 @@
 #define ROWS_D64 7  /* query rows per bfloat16 tile: as many as the registers hold (measured) */
 #define ROWS_D128 4
 
-/* exp_clamped (bf16.h) on 16 lanes: the same polynomial, 2^n by VSCALEFPS. */
-static inline __m512 exp512(__m512 x) {
-    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.0f)), _mm512_set1_ps(-87.0f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                                        _mm512_set1_ps(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_add_ps(_mm512_sub_ps(x, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f))),
-                                   _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(p, r), r), r), _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+/* The lane that holds row r (< MAX_ROWS) in a vector of per-row figures from reduce_rows_*: the
+ * reduction tree leaves row k in lanes 4k, 4k+1 and row k+4 in lanes 4k+2, 4k+3. */
+#define MAX_ROWS 8
+static inline __m512 row_figure(__m512 per_row, int r) {
+    return _mm512_permutexvar_ps(_mm512_set1_epi32(r < 4 ? 4 * r : 4 * (r - 4) + 2), per_row);
 }
 
-/* One row's online-softmax step over a 32-key block of raw scores s0 (keys 0-15) and s1 (16-31),
- * of which the first ``visible`` are before the row's position: p0, p1 get exp(score * scale -
- * new max), exactly 0 past ``visible``; the row's running max and sum are updated; returns the
- * factor its accumulator must be scaled by, or 0 when the block is wholly past the row (nothing
- * to add: p0 = p1 = 0, max and sum unchanged). */
-static inline float softmax_block(__m512 s0, __m512 s1, int64_t visible, float scale, float *m, float *l,
-                                  __m512 *p0, __m512 *p1) {
-    if (visible <= 0) {
-        *p0 = *p1 = _mm512_setzero_ps();
-        return 0.0f;
+/* The horizontal max / sum of each of 8 vectors at once (lane layout as row_figure reads it).
+ * Each lane only ever combines values of one row, in a tree that is the same for every row: a
+ * row's figure does not depend on the other rows, nor on its place among them. */
+#define DEFINE_REDUCE_ROWS(NAME, OP)                                                                  \
+    static inline __m512 NAME(const __m512 v[MAX_ROWS]) {                                             \
+        __m512 t[4], u[2];                                                                            \
+        for (int i = 0; i < 4; ++i) /* quarters 0, 1: row 2i's halves folded; 2, 3: row 2i+1's */      \
+            t[i] = OP(_mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0x44),                             \
+                      _mm512_shuffle_f32x4(v[2 * i], v[2 * i + 1], 0xEE));                            \
+        for (int i = 0; i < 2; ++i) /* quarter k: row 4i+k's four partial lanes */                    \
+            u[i] = OP(_mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0x88),                             \
+                      _mm512_shuffle_f32x4(t[2 * i], t[2 * i + 1], 0xDD));                            \
+        const __m512 w = OP(_mm512_shuffle_ps(u[0], u[1], 0x44), _mm512_shuffle_ps(u[0], u[1], 0xEE)); \
+        return OP(w, _mm512_permute_ps(w, 0xB1));                                                     \
     }
+DEFINE_REDUCE_ROWS(reduce_rows_max, _mm512_max_ps)
+DEFINE_REDUCE_ROWS(reduce_rows_add, _mm512_add_ps)
+
+static inline __mmask16 first_lanes(int64_t n) {
+    return n <= 0 ? 0 : n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+}
+
+/* One online-softmax step of ``rows`` (<= MAX_ROWS) query rows over a BLOCK-key block: s[r][0]
+ * (keys 0-15) and s[r][1] (16-31) hold row r's raw scores and are replaced by its probabilities
+ * exp(score * scale - new max), exactly 0 for keys past the row's position ``last[r]``. The
+ * rows' running maxima and sums live in *m and *l (lane layout of row_figure); corr[r] gets the
+ * factor row r's accumulator must be scaled by (exactly 1 when the block is wholly past the row:
+ * max and sum unchanged). The rows go through the reductions together, so their horizontal
+ * steps share instructions. */
+static inline void softmax_rows(__m512 s[][2], int rows, const int64_t *last, int64_t j0, float scale, __m512 *m,
+                                __m512 *l, __m512 *corr) {
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
-    const __mmask16 lo = visible >= 16 ? 0xffff : (__mmask16)((1u << visible) - 1);
-    const __mmask16 hi = visible >= 32 ? 0xffff : visible <= 16 ? 0 : (__mmask16)((1u << (visible - 16)) - 1);
-    const __m512 x0 = _mm512_mul_ps(s0, _mm512_set1_ps(scale)), x1 = _mm512_mul_ps(s1, _mm512_set1_ps(scale));
-    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(minus_inf, lo, x0),
-                                                         _mm512_mask_mov_ps(minus_inf, hi, x1)));
-    const float m_new = *m > top ? *m : top;
-    const float correction = exp_clamped(*m - m_new);
-    *p0 = _mm512_maskz_mov_ps(lo, exp512(_mm512_sub_ps(x0, _mm512_set1_ps(m_new))));
-    *p1 = _mm512_maskz_mov_ps(hi, exp512(_mm512_sub_ps(x1, _mm512_set1_ps(m_new))));
-    *l = *l * correction + _mm512_reduce_add_ps(_mm512_add_ps(*p0, *p1));
+    __mmask16 lo[MAX_ROWS], hi[MAX_ROWS];
+    __m512 top[MAX_ROWS], sum[MAX_ROWS];
+    for (int r = 0; r < MAX_ROWS; ++r) {
+        top[r] = minus_inf, sum[r] = _mm512_setzero_ps();
+        if (r >= rows) continue;
+        const int64_t visible = last[r] - j0 + 1;
+        lo[r] = first_lanes(visible), hi[r] = first_lanes(visible - 16);
+        s[r][0] = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
+        s[r][1] = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
+        top[r] = _mm512_max_ps(_mm512_mask_mov_ps(minus_inf, lo[r], s[r][0]),
+                               _mm512_mask_mov_ps(minus_inf, hi[r], s[r][1]));
+    }
+    const __m512 m_new = _mm512_max_ps(*m, reduce_rows_max(top));
+    /* m - m_new <= 0; -inf - finite (a row's first block) is clamped to -87: a factor of ~1e-38 on
+     * an accumulator that is still 0 */
+    const __m512 factor = exp16_clamped(_mm512_sub_ps(*m, m_new));
+    for (int r = 0; r < rows; ++r) {
+        const __m512 mr = row_figure(m_new, r);
+        s[r][0] = _mm512_maskz_mov_ps(lo[r], exp16_clamped(_mm512_sub_ps(s[r][0], mr)));
+        s[r][1] = _mm512_maskz_mov_ps(hi[r], exp16_clamped(_mm512_sub_ps(s[r][1], mr)));
+        sum[r] = _mm512_add_ps(s[r][0], s[r][1]);
+        corr[r] = row_figure(factor, r);
+    }
+    *l = _mm512_add_ps(_mm512_mul_ps(*l, factor), reduce_rows_add(sum));
     *m = m_new;
-    return correction;
+}
+
+/* Row r's figure from a vector in row_figure's layout. */
+static inline float row_scalar(__m512 per_row, int r) {
+    return _mm512_cvtss_f32(row_figure(per_row, r));
 }
 #endif
 
@@ -109,12 +137,10 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
     static void NAME(const uint16_t *const *q_rows, const int64_t *last, int nr, const uint16_t *kt,               \
                      const uint16_t *vt, float scale, uint16_t *const *out_rows) {                                  \
         const int64_t dim = DV * 16;                                                                                 \
-        __m512 acc[ROWS][DV];                                                                                        \
-        float m[ROWS], l[ROWS];                                                                                      \
+        __m512 acc[ROWS][DV], m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();                                \
         int64_t reach = 0;                                                                                           \
         for (int r = 0; r < ROWS; ++r) {                                                                             \
             for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();                                           \
-            m[r] = -INFINITY, l[r] = 0.0f;                                                                           \
             if (r < nr && last[r] + 1 > reach) reach = last[r] + 1;                                                  \
         }                                                                                                            \
         for (int64_t j0 = 0; j0 < reach; j0 += BLOCK) {                                                              \
@@ -131,13 +157,11 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
                 }                                                                                                    \
             }                                                                                                        \
             uint16_t probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                \
+            __m512 corr[ROWS];                                                                                       \
+            softmax_rows(s, ROWS, last, j0, scale, &m, &l, corr);                                                    \
             for (int r = 0; r < ROWS; ++r) {                                                                         \
-                __m512 p0, p1;                                                                                       \
-                const float correction = softmax_block(s[r][0], s[r][1], last[r] - j0 + 1, scale, &m[r], &l[r],      \
-                                                       &p0, &p1);                                                    \
-                if (correction != 1.0f && correction != 0.0f)                                                        \
-                    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));  \
-                _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(p1, p0));                                  \
+                for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr[r]);                         \
+                _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));                        \
             }                                                                                                        \
             const uint16_t *v = vt + j0 * dim;                                                                       \
             for (int kp = 0; kp < BLOCK / 2; ++kp) {                                                                 \
@@ -150,7 +174,7 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
             }                                                                                                        \
         }                                                                                                            \
         for (int r = 0; r < nr; ++r) {                                                                               \
-            const __m512 inv = _mm512_set1_ps(1.0f / l[r]);                                                          \
+            const __m512 inv = _mm512_set1_ps(1.0f / row_scalar(l, r));                                                          \
             for (int c = 0; c < DV; ++c) {                                                                           \
                 float o[16];                                                                                         \
                 _mm512_storeu_ps(o, _mm512_mul_ps(acc[r][c], inv));                                                  \
@@ -243,12 +267,10 @@ static void pack_f32(const float *k_pool, const float *v_pool, const int64_t *sl
     static void NAME(const float *const *q_rows, const int64_t *last, int nr, const float *kt, const float *vv,     \
                      float scale, float *const *out_rows) {                                                          \
         const int64_t dim = DV * 16;                                                                                 \
-        __m512 acc[ROWS][DV];                                                                                        \
-        float m[ROWS], l[ROWS];                                                                                      \
+        __m512 acc[ROWS][DV], m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();                                \
         int64_t reach = 0;                                                                                           \
         for (int r = 0; r < ROWS; ++r) {                                                                             \
             for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();                                           \
-            m[r] = -INFINITY, l[r] = 0.0f;                                                                           \
             if (r < nr && last[r] + 1 > reach) reach = last[r] + 1;                                                  \
         }                                                                                                            \
         for (int64_t j0 = 0; j0 < reach; j0 += BLOCK) {                                                              \
@@ -264,14 +286,12 @@ static void pack_f32(const float *k_pool, const float *v_pool, const int64_t *sl
                 }                                                                                                    \
             }                                                                                                        \
             float probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                   \
+            __m512 corr[ROWS];                                                                                       \
+            softmax_rows(s, ROWS, last, j0, scale, &m, &l, corr);                                                    \
             for (int r = 0; r < ROWS; ++r) {                                                                         \
-                __m512 p0, p1;                                                                                       \
-                const float correction = softmax_block(s[r][0], s[r][1], last[r] - j0 + 1, scale, &m[r], &l[r],      \
-                                                       &p0, &p1);                                                    \
-                if (correction != 1.0f && correction != 0.0f)                                                       \
-                    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], _mm512_set1_ps(correction));  \
-                _mm512_store_ps(probs[r], p0);                                                                       \
-                _mm512_store_ps(probs[r] + 16, p1);                                                                  \
+                for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr[r]);                         \
+                _mm512_store_ps(probs[r], s[r][0]);                                                                  \
+                _mm512_store_ps(probs[r] + 16, s[r][1]);                                                             \
             }                                                                                                        \
             for (int j = 0; j < BLOCK; ++j) {                                                                        \
                 __m512 v[DV];                                                                                        \
@@ -283,7 +303,7 @@ static void pack_f32(const float *k_pool, const float *v_pool, const int64_t *sl
             }                                                                                                        \
         }                                                                                                            \
         for (int r = 0; r < nr; ++r) {                                                                               \
-            const __m512 inv = _mm512_set1_ps(1.0f / l[r]);                                                          \
+            const __m512 inv = _mm512_set1_ps(1.0f / row_scalar(l, r));                                                          \
             for (int c = 0; c < DV; ++c) _mm512_storeu_ps(out_rows[r] + c * 16, _mm512_mul_ps(acc[r][c], inv));      \
         }                                                                                                            \
     }
