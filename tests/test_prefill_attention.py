@@ -70,6 +70,25 @@ def test_a_row_does_not_depend_on_what_came_from_the_cache(dim, dtype):
         assert torch.equal(one[0], whole[row])
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128])
+def test_queries_at_any_positions_are_the_rows_of_the_whole_prefill(dim, dtype):
+    """A blend recomputes scattered tokens (``positions``): each is the same bits as its row in
+    the whole prompt's prefill (a row depends on its query, position and context only), and
+    the kernel agrees with torch's masked attention the blend ran before."""
+    q, k, v, slots = _case(61, 0, 6, 2, dim, seed=2, dtype=dtype)
+    whole = prefill.prefill_attention(q, k, v, slots, 0.1)
+    positions = torch.tensor([0, 3, 4, 17, 30, 31, 32, 45, 59, 60])
+    picked = prefill.prefill_attention(q[positions], k, v, slots, 0.1, positions)
+    assert torch.equal(picked, whole[positions])
+    mask = torch.arange(61)[None, :] <= positions[:, None]
+    kk, vv = (x[slots].double().transpose(0, 1).repeat_interleave(3, 0) for x in (k, v))
+    exact = F.scaled_dot_product_attention(q[positions].double().transpose(0, 1), kk, vv, attn_mask=mask,
+                                           scale=0.1).transpose(0, 1)
+    assert (picked.double() - exact).abs().max().item() < (3e-2 if dtype == torch.bfloat16 else 1e-5)
+    assert prefill.prefill_attention(q[:2], k, v, slots, 0.1, torch.tensor([5, 61])) is None  # past the context
+
+
 def test_declines_what_it_does_not_serve():
     q, k, v, slots = _case(8, 4, 4, 2, 64)
     assert prefill.prefill_attention(q.float(), k, v, slots, 0.125) is None  # dtypes that differ

@@ -50,9 +50,9 @@ def _meta(slots: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> 
     if is_tail:
         mask = prefill_mask(q_pos.numel(), n)
         mask = None if mask is None else mask.to(q_pos.device)
-    else:
-        mask = torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
-    return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, mask)])
+        return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, mask)])
+    mask = torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
+    return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, mask, q_pos)])
 
 
 @torch.inference_mode()

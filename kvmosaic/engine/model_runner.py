@@ -146,7 +146,7 @@ def _to_device(meta: AttentionMetadata | GroupedMetadata, dev: torch.device) -> 
     if isinstance(meta, GroupedMetadata):
         return GroupedMetadata([_to_device(m, dev) for m in meta.groups], meta.group_of)
     mv = lambda x: None if x is None else x.to(dev, non_blocking=True)  # noqa: E731
-    prefills = [PrefillSpan(p.start, p.end, mv(p.ctx_slots), mv(p.mask)) for p in meta.prefills]
+    prefills = [PrefillSpan(p.start, p.end, mv(p.ctx_slots), mv(p.mask), mv(p.positions)) for p in meta.prefills]
     d = meta.decode
     decode = None if d is None else DecodeBatch(
         mv(d.token_index), mv(d.ctx_slots), mv(d.mask), [SharedPrefix(mv(p.slots), mv(p.members)) for p in d.shared],

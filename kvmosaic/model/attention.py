@@ -52,6 +52,9 @@ class PrefillSpan:
     ctx_slots: torch.Tensor  # [ctx_len] slots of the whole context, new tokens last
     # [q_len, ctx_len] bool; None: causal, the span's tokens being the context's last ones
     mask: torch.Tensor | None
+    # [q_len] int64: each query's position in the context, where the mask says exactly "keys up
+    # to it" (a blend's recomputed tokens): the prefill kernel serves it without the mask
+    positions: torch.Tensor | None = None
 
 
 @dataclass
@@ -96,8 +99,9 @@ def paged_attention(
         return _decode_attention(q, k_cache, v_cache, d, scale)
     out = torch.empty_like(q)
     for span in meta.prefills:
-        if span.mask is None:  # causal: the bfloat16 kernel reads the pool in place where it serves
-            o = prefill.prefill_attention(q[span.start : span.end], k_cache, v_cache, span.ctx_slots, scale)
+        if span.mask is None or span.positions is not None:  # causal: the kernel reads the pool in place
+            o = prefill.prefill_attention(q[span.start : span.end], k_cache, v_cache, span.ctx_slots, scale,
+                                          span.positions)
             if o is not None:
                 out[span.start : span.end] = o
                 continue

@@ -2,8 +2,9 @@
 AVX-512 (``prefill_attention.c``; docs/ARCHITECTURE.md, "Prefill attention").
 
 Serves a prompt span whose queries are the last tokens of its context with no mask beyond
-causality (``PrefillSpan.mask is None``), queries and pool in one of those dtypes, head dim 64
-or 128. Checked
+causality (``PrefillSpan.mask is None``), or queries at any positions of it that each see the
+context up to themselves (``PrefillSpan.positions``: the tokens a blend recomputes), queries and
+pool in one of those dtypes, head dim 64 or 128. Checked
 once against torch's attention in float32 (a disagreement turns it off, logged); elsewhere
 ``model/attention.py`` keeps torch's path. A row's result is the same bits whatever came from
 the cache and whatever else the step holds (the kernel's invariants)."""
@@ -25,25 +26,32 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 
 def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                      scale: float) -> torch.Tensor | None:
-    """``q`` ``[T, H, D]``, the last ``T`` of the context at ``slots`` ``[ctx]`` in the pools
-    ``[num_slots, Hkv, D]``: the causal attention output ``[T, H, D]`` in their dtype, or None
-    where the kernel does not serve (the caller runs torch's)."""
+                      scale: float, positions: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``q`` ``[T, H, D]`` over the context at ``slots`` ``[ctx]`` in the pools ``[num_slots, Hkv,
+    D]``: query ``i`` at context position ``positions[i]`` (``[T]`` int64, each < ctx) sees the
+    keys up to it; without ``positions`` the queries are the context's last ``T``. The output
+    ``[T, H, D]`` in their dtype, or None where the kernel does not serve (the caller runs
+    torch's)."""
     if not (q.dtype == k_cache.dtype == v_cache.dtype and q.dtype in DTYPES and q.device.type == "cpu"
             and q.shape[-1] in DIMS and k_cache.is_contiguous() and v_cache.is_contiguous() and _checked(q.dtype)):
         return None
-    return _run(q, k_cache, v_cache, slots, scale)
+    if positions is not None and (positions.numel() != q.shape[0] or (
+            positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < slots.numel())):
+        return None
+    return _run(q, k_cache, v_cache, slots, scale, positions)
 
 
-def _run(q, k_cache, v_cache, slots, scale) -> torch.Tensor | None:
+def _run(q, k_cache, v_cache, slots, scale, positions=None) -> torch.Tensor | None:
     q = q.contiguous()
     slots = slots.to(torch.int64).contiguous()
+    if positions is not None:
+        positions = positions.to(torch.int64).contiguous()
     out = torch.empty_like(q)
     num_tokens, heads, dim = q.shape
     fn = _library().prefill_attention if q.dtype == torch.bfloat16 else _library().prefill_attention_f32
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
-                                      slots.numel(), num_tokens, heads, k_cache.shape[1], dim, scale, out.data_ptr(),
-                                      torch.get_num_threads())
+            None if positions is None else positions.data_ptr(), slots.numel(), num_tokens, heads, k_cache.shape[1],
+            dim, scale, out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None
 
 

@@ -1,6 +1,7 @@
 /* Causal prefill attention over the paged pool in bfloat16, on AVX512-BF16: one prompt span's
- * queries (the last T positions of its context) against its whole context, K and V read from
- * the pool through the span's slots. torch's CPU flash kernel ran these shapes at ~10% of the
+ * queries (the last T positions of its context, or any positions in it: the tokens a blend
+ * recomputes) against its context up to each query, K and V read from the pool through the
+ * span's slots. torch's CPU flash kernel ran these shapes at ~10% of the
  * machine's bfloat16 GEMM peak (a third of a 750-token prefill on an AVX-512 CPU without AMX;
  * docs/ARCHITECTURE.md, "Prefill attention").
  *
@@ -187,13 +188,14 @@ DEFINE_TILE(tile_d64, ROWS_D64, 4)
 DEFINE_TILE(tile_d128, ROWS_D128, 8)
 #endif
 
-/* out [T, heads, D] = causal attention of q [T, heads, D] (the span's tokens, the last T of its
- * context) over K and V at slots [ctx] of the pools [num_slots, kv_heads, D]; all bfloat16.
- * Returns 0, -1 for a shape it does not serve (D other than 64 or 128, T > ctx), -2 without
- * AVX512-BF16, -3 out of memory. */
+/* out [T, heads, D] = causal attention of q [T, heads, D] over K and V at slots [ctx] of the pools
+ * [num_slots, kv_heads, D]; all bfloat16. Query i is at context position positions[i] (it sees
+ * keys 0..positions[i]; each < ctx) or, with positions NULL, the span's tokens are the last T of
+ * the context. Returns 0, -1 for a shape it does not serve (D other than 64 or 128, T > ctx), -2
+ * without AVX512-BF16, -3 out of memory. */
 int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots,
-                      int64_t ctx, int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t dim, float scale,
-                      uint16_t *out, int num_threads) {
+                      const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads, int64_t kv_heads,
+                      int64_t dim, float scale, uint16_t *out, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if ((dim != 64 && dim != 128) || kv_heads < 1 || heads % kv_heads || num_tokens > ctx || num_tokens < 0) return -1;
     if (num_tokens == 0) return 0;
@@ -228,7 +230,7 @@ int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t 
                     const int64_t i = r < nr ? i0 + r : i0; /* past the span: a copy of its first row, unused */
                     q_rows[r] = q + (i * heads + h) * dim;
                     out_rows[r] = out + (i * heads + h) * dim;
-                    last[r] = past + i;
+                    last[r] = positions != NULL ? positions[i] : past + i;
                 }
                 if (dim == 64)
                     tile_d64(q_rows, last, nr, kt, vt, scale, out_rows);
@@ -240,7 +242,7 @@ int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t 
     free(packed);
     return 0;
 #else
-    (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
+    (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)positions, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
     (void)dim, (void)scale, (void)out, (void)num_threads;
     return -2;
 #endif
@@ -313,9 +315,9 @@ DEFINE_TILE_F32(tile_f32_d128, 3, 8)
 #endif
 
 /* prefill_attention in float32 (AVX-512): the same contract, P not rounded. */
-int prefill_attention_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots, int64_t ctx,
-                          int64_t num_tokens, int64_t heads, int64_t kv_heads, int64_t dim, float scale, float *out,
-                          int num_threads) {
+int prefill_attention_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
+                          const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads, int64_t kv_heads,
+                          int64_t dim, float scale, float *out, int num_threads) {
 #if defined(__AVX512F__)
     if ((dim != 64 && dim != 128) || kv_heads < 1 || heads % kv_heads || num_tokens > ctx || num_tokens < 0) return -1;
     if (num_tokens == 0) return 0;
@@ -344,7 +346,7 @@ int prefill_attention_f32(const float *q, const float *k_pool, const float *v_po
                     const int64_t i = r < nr ? i0 + r : i0;
                     q_rows[r] = q + (i * heads + h) * dim;
                     out_rows[r] = out + (i * heads + h) * dim;
-                    last[r] = past + i;
+                    last[r] = positions != NULL ? positions[i] : past + i;
                 }
                 if (dim == 64)
                     tile_f32_d64(q_rows, last, nr, kt, vv, scale, out_rows);
@@ -356,7 +358,7 @@ int prefill_attention_f32(const float *q, const float *k_pool, const float *v_po
     free(packed);
     return 0;
 #else
-    (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
+    (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)positions, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
     (void)dim, (void)scale, (void)out, (void)num_threads;
     return -2;
 #endif
