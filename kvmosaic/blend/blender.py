@@ -140,8 +140,12 @@ class Blender:
     def _read(self, slots: torch.Tensor) -> torch.Tensor:
         """KV at ``slots``, every layer: ``[L, 2, T, kv_heads, head_dim]``."""
         s = slots.to(self.kv.device)
-        return torch.stack([torch.stack((k.index_select(0, s), v.index_select(0, s)))
-                            for k, v in zip(self.kv.k, self.kv.v)])
+        first = self.kv.k[0]
+        out = first.new_empty(len(self.kv.k), 2, s.numel(), *first.shape[1:])
+        for layer, (k, v) in enumerate(zip(self.kv.k, self.kv.v)):
+            torch.index_select(k, 0, s, out=out[layer, 0])  # gathered once, into place
+            torch.index_select(v, 0, s, out=out[layer, 1])
+        return out
 
     def _place(self, found, slots, start: int, n: int) -> torch.Tensor:
         """Write stored KV (``found``: span, origin, tensor) at the segments' positions from
