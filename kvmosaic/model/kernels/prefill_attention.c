@@ -96,6 +96,20 @@ static inline void softmax_rows(__m512 s[][2], int rows, const int64_t *last, in
     *m = m_new;
 }
 
+/* Row tile t of a span (``rows`` per tile): each row's query index (rows past the span repeat
+ * its first row, computed and not written) and the last key it sees (``positions[i]``, or with
+ * positions NULL its place among the context's last tokens, past + i). Returns the real rows. */
+static inline int tile_rows(int64_t t, int rows, int64_t num_tokens, const int64_t *positions, int64_t past,
+                            int64_t index[MAX_ROWS], int64_t last[MAX_ROWS]) {
+    const int64_t i0 = t * rows;
+    const int nr = num_tokens - i0 < rows ? (int)(num_tokens - i0) : rows;
+    for (int r = 0; r < rows; ++r) {
+        index[r] = r < nr ? i0 + r : i0;
+        last[r] = positions != NULL ? positions[index[r]] : past + index[r];
+    }
+    return nr;
+}
+
 /* Row r's figure from a vector in row_figure's layout. */
 static inline float row_scalar(__m512 per_row, int r) {
     return _mm512_cvtss_f32(row_figure(per_row, r));
@@ -221,16 +235,13 @@ int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t 
         for (int64_t t = tiles - 1; t >= 0; --t) {
             for (int64_t h = 0; h < heads; ++h) {
                 const uint16_t *kt = packed + (h / group) * per_head, *vt = kt + ctx_pad * dim;
-                const uint16_t *q_rows[8];
-                uint16_t *out_rows[8];
-                int64_t last[8];
-                const int64_t i0 = t * rows;
-                const int nr = num_tokens - i0 < rows ? (int)(num_tokens - i0) : rows;
+                const uint16_t *q_rows[MAX_ROWS];
+                uint16_t *out_rows[MAX_ROWS];
+                int64_t index[MAX_ROWS], last[MAX_ROWS];
+                const int nr = tile_rows(t, rows, num_tokens, positions, past, index, last);
                 for (int r = 0; r < rows; ++r) {
-                    const int64_t i = r < nr ? i0 + r : i0; /* past the span: a copy of its first row, unused */
-                    q_rows[r] = q + (i * heads + h) * dim;
-                    out_rows[r] = out + (i * heads + h) * dim;
-                    last[r] = positions != NULL ? positions[i] : past + i;
+                    q_rows[r] = q + (index[r] * heads + h) * dim;
+                    out_rows[r] = out + (index[r] * heads + h) * dim;
                 }
                 if (dim == 64)
                     tile_d64(q_rows, last, nr, kt, vt, scale, out_rows);
@@ -337,16 +348,13 @@ int prefill_attention_f32(const float *q, const float *k_pool, const float *v_po
         for (int64_t t = tiles - 1; t >= 0; --t) {
             for (int64_t h = 0; h < heads; ++h) {
                 const float *kt = packed + (h / group) * per_head, *vv = kt + ctx_pad * dim;
-                const float *q_rows[8];
-                float *out_rows[8];
-                int64_t last[8];
-                const int64_t i0 = t * rows;
-                const int nr = num_tokens - i0 < rows ? (int)(num_tokens - i0) : rows;
+                const float *q_rows[MAX_ROWS];
+                float *out_rows[MAX_ROWS];
+                int64_t index[MAX_ROWS], last[MAX_ROWS];
+                const int nr = tile_rows(t, rows, num_tokens, positions, past, index, last);
                 for (int r = 0; r < rows; ++r) {
-                    const int64_t i = r < nr ? i0 + r : i0;
-                    q_rows[r] = q + (i * heads + h) * dim;
-                    out_rows[r] = out + (i * heads + h) * dim;
-                    last[r] = positions != NULL ? positions[i] : past + i;
+                    q_rows[r] = q + (index[r] * heads + h) * dim;
+                    out_rows[r] = out + (index[r] * heads + h) * dim;
                 }
                 if (dim == 64)
                     tile_f32_d64(q_rows, last, nr, kt, vv, scale, out_rows);
