@@ -141,12 +141,13 @@ def test_a_separator_marks_segments_in_a_text_prompt(llm):
         e.inputs.segment_separator = None
 
 
-def test_head_tokens_of_every_reused_segment_are_recomputed(llm):
-    """``blend_head_tokens``: the first tokens of each reused segment are computed in full (EPIC's
-    LegoLink), the rest reused as before; with every token a head token it is a full prefill."""
+def test_head_tokens_of_every_moved_segment_are_recomputed(llm):
+    """``blend_head_tokens``: the first tokens of each reused segment that no longer follows what
+    it followed when stored are computed in full (EPIC's LegoLink), the rest reused as before;
+    with every token a head token it is a full prefill."""
     llm.engine.segment_reuse.store.clear()
     run(llm, DOCS, mode="blend")
-    order = [DOCS[1], DOCS[2], DOCS[0]]
+    order = [DOCS[2], DOCS[1], DOCS[0]]  # each after other tokens than when stored
     seg_tokens = sum(len(llm.tokenizer.encode(d)) for d in order)
     ref = run(llm, order)
     try:
@@ -157,5 +158,19 @@ def test_head_tokens_of_every_reused_segment_are_recomputed(llm):
         every = run(llm, order, mode="shift")
         assert every.num_segment_tokens == 0
         assert_same_output(every, ref)
+    finally:
+        llm.engine.config.blend_head_tokens = 0
+
+
+def test_a_segment_that_still_follows_its_neighbour_keeps_its_head(llm):
+    """Stored after DOCS[1], DOCS[2] found after DOCS[1] again (both moved to the front) continues
+    the text it was computed in: its first tokens are reused; DOCS[1] and DOCS[0] moved."""
+    llm.engine.segment_reuse.store.clear()
+    run(llm, DOCS, mode="blend")
+    order = [DOCS[1], DOCS[2], DOCS[0]]
+    seg_tokens = sum(len(llm.tokenizer.encode(d)) for d in order)
+    try:
+        llm.engine.config.blend_head_tokens = 3
+        assert run(llm, order, mode="shift").num_segment_tokens == seg_tokens - 3 * 2
     finally:
         llm.engine.config.blend_head_tokens = 0

@@ -88,3 +88,21 @@ def test_deviation_is_relative():
     assert torch.allclose(deviation(k, v, k, v), torch.zeros(4))
     d = deviation(k, v, 1.1 * k, 1.1 * v)
     assert torch.allclose(d, torch.full((4,), 0.1), atol=1e-5)
+
+
+def test_a_segment_continues_only_after_the_tokens_it_was_stored_after():
+    from kvmosaic.blend.blender import continues, left_of
+    from kvmosaic.cache.segments import LEFT_CONTEXT, SegmentEntry
+
+    prompt = list(range(100, 140))
+    stored = SegmentEntry(b"k", tuple(prompt[20:30]), 20, 0, tuple(left_of(prompt, 20)))
+    assert len(stored.left) == LEFT_CONTEXT
+    assert continues(stored, prompt, 20)
+    moved = [7, 8] + prompt  # the same left tokens two positions later: still continues
+    assert continues(stored, moved, 22)
+    other = prompt[:19] + [5] + prompt[20:]
+    assert not continues(stored, other, 20)  # one left token differs
+    assert not continues(SegmentEntry(b"k", (1,), 20, 0, None), prompt, 20)  # not known: moved
+    near_start = SegmentEntry(b"k", tuple(prompt[3:10]), 3, 0, tuple(left_of(prompt, 3)))
+    assert continues(near_start, prompt, 3)
+    assert not continues(near_start, [9] + prompt, 4)  # fewer left tokens: the whole head must match

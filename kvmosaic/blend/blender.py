@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.segments import LEFT_CONTEXT, SegmentEntry
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from .forward import blend_forward
@@ -47,8 +48,10 @@ class BlendOptions:
     selection: str = "deviation"  # "random" is the baseline the scores must beat
     seed: int = 0
     floor: float = 0.0  # with a ratio: never recompute a token whose deviation is at most this
-    # The first tokens of every reused segment are always recomputed (EPIC's "LegoLink": a chunk
-    # whose start moved away from its first context is where the attention it draws is off most).
+    # The first tokens of every reused segment that does not follow the tokens it was computed
+    # after are recomputed (EPIC's "LegoLink": a chunk whose start moved away from its first
+    # context is where the attention it draws is off most; one that still continues the same
+    # text, as the later chunks of a moved document do, is not).
     head: int = 0
 
     def __post_init__(self) -> None:
@@ -82,6 +85,20 @@ class BlendResult:
     drift_attn: float = 0.0
 
 
+def left_of(token_ids: list[int], start: int) -> list[int]:
+    """The tokens a segment at ``start`` is computed after, as its store entry records them."""
+    return token_ids[max(0, start - LEFT_CONTEXT) : start]
+
+
+def continues(entry: SegmentEntry, token_ids: list[int], start: int) -> bool:
+    """Whether the stored segment ``entry``, found at ``start``, follows the same tokens as where
+    it was computed (all of its :data:`LEFT_CONTEXT`, or the same whole prompt head before it)."""
+    left = entry.left
+    if left is None or (len(left) < LEFT_CONTEXT and start != len(left)):
+        return False
+    return tuple(left_of(token_ids, start)) == left
+
+
 class Blender:
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, store: SegmentKVStore) -> None:
         self.model, self.kv, self.store = model, kv, store
@@ -111,11 +128,12 @@ class Blender:
             if hit is None:
                 missing.append(span)
             else:
-                found.append((span, hit[0].origin, hit[1]))
+                found.append((span, hit[0], hit[1]))
         reused = self._place(found, slots, start, n)
         if opts.head:
-            for span, _, _ in found:  # computed in full, as the tokens around the segments are
-                reused[max(span.start, start) : min(span.start + opts.head, span.end)] = False
+            for span, entry, _ in found:  # computed in full, as the tokens around the segments are
+                if not continues(entry, token_ids, span.start):
+                    reused[max(span.start, start) : min(span.start + opts.head, span.end)] = False
         reused[positions] = False
         pick = None
         if opts.mode in ("blend", "auto") and reused.any():
@@ -126,7 +144,8 @@ class Blender:
         stored = 0
         for span in missing:  # stored with the KV this prompt gave it
             kvt = self._read(slots[span.start : span.end])
-            if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start, kvt):
+            if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start, kvt,
+                              left=left_of(token_ids, span.start)):
                 stored += span.num_tokens
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()
@@ -148,12 +167,13 @@ class Blender:
         return out
 
     def _place(self, found, slots, start: int, n: int) -> torch.Tensor:
-        """Write stored KV (``found``: span, origin, tensor) at the segments' positions from
+        """Write stored KV (``found``: span, entry, tensor) at the segments' positions from
         ``start`` on; returns ``reused``, the tokens so written."""
         reused = torch.zeros(n, dtype=torch.bool)
         ks, vs, dst = [], [], []
-        for span, origin, kvt in found:
+        for span, entry, kvt in found:
             lo = max(span.start, start)
+            origin = entry.origin
             part = kvt[:, :, lo - span.start :]
             ks.append(rerotate(part[:, 0], span.start - origin, self.inv_freq))
             vs.append(part[:, 1])

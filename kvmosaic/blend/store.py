@@ -82,15 +82,16 @@ class SegmentKVStore:
 
     def put(
         self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None, origin: int, kv: torch.Tensor,
-        to_tiers: bool = True,
+        to_tiers: bool = True, left: Sequence[int] | None = None,
     ) -> bool:
-        """Keep ``kv`` (copied) for ``tokens``; False when it is larger than the budget."""
+        """Keep ``kv`` (copied) for ``tokens``, computed after the tokens ``left`` (see
+        :class:`~kvmosaic.cache.segments.SegmentEntry`); False when it is larger than the budget."""
         key = self.key(tokens, cache_salt, adapter_id)
         if to_tiers and self.tiers is not None:
             meta = self._meta(key, tokens, tuple(kv.shape), kv.dtype, origin)
             payload = kv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
             self.tiers.put_block(key, meta, payload, range(len(self.tiers)))  # MAC'd per tier (format.py)
-        evicted = self.index.insert(key, tokens, origin, kv.numel() * kv.element_size())
+        evicted = self.index.insert(key, tokens, origin, kv.numel() * kv.element_size(), left)
         if evicted is None:
             return False
         for old in evicted:

@@ -27,6 +27,9 @@ import cbor2
 from .hashing import CacheNamespace
 
 SegmentKey = bytes
+# Tokens before a segment that its entry remembers: a segment found again right after the same
+# tokens continues the text it was computed in (blend/blender.py: no head recompute there).
+LEFT_CONTEXT = 16
 
 
 def segment_seed(model_fingerprint: str, kv_dtype: str) -> bytes:
@@ -43,12 +46,15 @@ def segment_key(namespace: CacheNamespace, tokens: Sequence[int]) -> SegmentKey:
 
 @dataclass
 class SegmentEntry:
-    """A stored segment: ``tokens`` were computed at positions ``origin .. origin+len-1``."""
+    """A stored segment: ``tokens`` were computed at positions ``origin .. origin+len-1``,
+    right after the tokens ``left`` (the last up-to-:data:`LEFT_CONTEXT` tokens before it
+    there; None: not known, e.g. loaded from a tier)."""
 
     key: SegmentKey
     tokens: tuple[int, ...]
     origin: int
     nbytes: int
+    left: tuple[int, ...] | None = None
 
 
 @dataclass
@@ -86,7 +92,8 @@ class SegmentIndex:
         self.stats.hits += len(tokens)
         return entry
 
-    def insert(self, key: SegmentKey, tokens: Sequence[int], origin: int, nbytes: int) -> list[SegmentKey] | None:
+    def insert(self, key: SegmentKey, tokens: Sequence[int], origin: int, nbytes: int,
+               left: Sequence[int] | None = None) -> list[SegmentKey] | None:
         """Admit an entry, evicting least recently used ones to make room. Returns the
         evicted keys (the caller drops their tensors), or None when it cannot fit at all."""
         if nbytes > self.capacity_bytes:
@@ -96,7 +103,8 @@ class SegmentIndex:
             old, _ = next(iter(self.entries.items()))
             evicted += self.remove(old)
             self.stats.evictions += 1
-        self.entries[key] = SegmentEntry(key, tuple(tokens), origin, nbytes)
+        self.entries[key] = SegmentEntry(key, tuple(tokens), origin, nbytes,
+                                         None if left is None else tuple(left)[-LEFT_CONTEXT:])
         self.used_bytes += nbytes
         self.stats.inserts += 1
         return evicted
