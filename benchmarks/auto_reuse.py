@@ -34,8 +34,6 @@ import torch
 
 from kvmosaic.bench.machine import describe
 from kvmosaic.bench.text import paragraph
-from kvmosaic.blend.auto import AUTO_FLOOR
-from kvmosaic.blend.blender import BlendOptions
 from kvmosaic.blend.guard import guard
 from kvmosaic.cache.manager import PlainRequest
 from kvmosaic.engine.llm import LLM
@@ -144,11 +142,12 @@ def edit_requests(n: int, rng: random.Random, tok) -> tuple[list[str], list[Req]
 
 
 class Harness:
-    def __init__(self, dtype: str, ratio: float, max_drift: float, head: int = 0) -> None:
+    def __init__(self, dtype: str, max_drift: float, **blend) -> None:
+        """``blend``: the engine's ``blend_*`` options (its defaults where not given)."""
         self.llm = LLM(dtype=dtype, num_kv_blocks=2048, segment_cache_memory=2 << 30, segment_reuse="auto",
-                       blend_ratio=ratio, auto_reuse_max_drift=max_drift, blend_head_tokens=head)
+                       auto_reuse_max_drift=max_drift, **blend)
         self.engine, self.tok = self.llm.engine, self.llm.tokenizer
-        self.opts = BlendOptions("auto", ratio, floor=AUTO_FLOOR, head=head)
+        self.opts = self.engine.segment_reuse.options()  # the engine's own, as auto uses them
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -271,8 +270,10 @@ def table(results: dict[str, Stats], thr: tuple[float, float]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8, help="measured requests per workload")
-    ap.add_argument("--ratio", type=float, default=0.15, help="blend_ratio")
-    ap.add_argument("--head", type=int, default=0, help="blend_head_tokens")
+    ap.add_argument("--ratio", type=float, default=None, help="blend_ratio (default: the engine's)")
+    ap.add_argument("--head", type=int, default=None, help="blend_head_tokens (default: the engine's)")
+    ap.add_argument("--selection", default=None, help="blend_selection (default: the engine's)")
+    ap.add_argument("--check-layer", type=int, default=None, help="blend_check_layer (default: the engine's)")
     ap.add_argument("--max-drift", type=float, default=0.03, help="auto_reuse_max_drift (the guard's bound)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
@@ -283,7 +284,11 @@ def main() -> None:
     args = ap.parse_args()
     print(describe(), flush=True)
     rng = random.Random(args.seed)
-    h = Harness(args.dtype, args.ratio, args.max_drift, args.head)
+    blend = {k: v for k, v in (("blend_ratio", args.ratio), ("blend_head_tokens", args.head),
+                               ("blend_selection", args.selection), ("blend_check_layer", args.check_layer))
+             if v is not None}
+    h = Harness(args.dtype, args.max_drift, **blend)
+    print(f"blend options: {h.opts}", flush=True)
     if args.no_reuse_only:
         h.engine.segment_reuse.auto  # noqa: B018 - build the chunk rule before timing
         off, on = no_reuse(h, args.rounds, 8, rng)

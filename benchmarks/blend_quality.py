@@ -124,7 +124,7 @@ THRESHOLDS = (0.1, 0.05, 0.03)  # on the relative deviation score
 @dataclass
 class Config:
     name: str
-    kind: str  # "full" | "prefix" | "shift" | "blend" | "random" | "threshold"
+    kind: str  # "full" | "prefix" | "shift" | "blend" | "attention" | "random" | "threshold"
     ratio: float | None = None
     threshold: float | None = None
 
@@ -133,7 +133,7 @@ class Config:
             return None
         if self.kind == "shift":
             return BlendOptions("shift")
-        sel = "random" if self.kind == "random" else "deviation"
+        sel = self.kind if self.kind in ("random", "attention") else "deviation"
         return BlendOptions("blend", self.ratio or 0.0, self.threshold, selection=sel)
 
 
@@ -153,6 +153,7 @@ class Row:
 def configs() -> list[Config]:
     out = [Config("full prefill", "full"), Config("prefix cache only", "prefix"), Config("shift", "shift")]
     out += [Config(f"blend r={r:.0%}", "blend", ratio=r) for r in RATIOS]
+    out += [Config(f"attention r={r:.0%}", "attention", ratio=r) for r in RANDOM_RATIOS]
     out += [Config(f"random r={r:.0%}", "random", ratio=r) for r in RANDOM_RATIOS]
     out += [Config(f"blend dev>{t}", "threshold", threshold=t) for t in THRESHOLDS]
     return out
@@ -188,7 +189,7 @@ class Harness:
         c.segment_reuse = "off" if opts is None else opts.mode
         if opts is not None:
             c.blend_ratio, c.blend_threshold = opts.ratio, opts.threshold
-            self.engine.segment_reuse.selection = opts.selection
+            c.blend_selection, c.blend_head_tokens = opts.selection, opts.head
 
     def generate(self, cfg: Config, prompt: dict):
         """TTFT and greedy tokens through the engine, caches as the mode would find them."""
@@ -272,7 +273,8 @@ def plot(rows: list[Row], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     floor = 1e-4  # exact modes have KL ~0; draw them on the floor of the log axis
-    for kind, style, label in [("blend", "o-", "blend (ratio r)"), ("random", "s--", "random selection"),
+    for kind, style, label in [("blend", "o-", "blend (ratio r)"), ("attention", "d-", "attention-weighted"),
+                               ("random", "s--", "random selection"),
                                ("threshold", "^:", "blend (threshold)")]:
         pts = sorted((r.ttft_ms, max(r.kl_mean, floor), r.name) for r in rows if r.kind == kind)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label)

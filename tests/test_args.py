@@ -33,6 +33,7 @@ ENGINE_FLAGS = {
     "segment_reuse": ["--segment-reuse", "auto"], "auto_reuse_max_drift": ["--auto-reuse-max-drift", "0.07"],
     "blend_ratio": ["--blend-ratio", "0.3"], "blend_threshold": ["--blend-threshold", "0.7"],
     "blend_check_layer": ["--blend-check-layer", "3"], "blend_head_tokens": ["--blend-head-tokens", "4"],
+    "blend_selection": ["--blend-selection", "deviation"],
     "segment_cache_memory": ["--segment-cache-memory", "64M"],
     "segment_separator": ["--segment-separator", "<|doc|>"],
     "kv_tiers": ["--kv-tier", "host:1GiB", "--kv-tier", "disk:{tmp}:1GiB"],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmosaic.blend.rope import rerotate
-from kvmosaic.blend.select import choose, deviation
+from kvmosaic.blend.select import attention_weights, choose, deviation
 from kvmosaic.cache.hashing import CacheNamespace
 from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_seed
 from kvmosaic.model.families import Rope
@@ -83,6 +83,23 @@ def test_choose_ratio_threshold_random():
     assert r.numel() == 3 and r.unique().numel() == 3
 
 
+def test_attention_weights_rank_what_the_answer_reads():
+    """The ratio ranks deviation x (1 + n * attention); the threshold and the floor read the
+    deviation alone, so a token past the floor is never taken however much it is read."""
+    scores = torch.tensor([0.10, 0.90, 0.50, 0.004, 0.70])
+    attention = torch.tensor([0.60, 0.0, 0.05, 0.30, 0.05])
+    weights = attention_weights(attention)
+    assert torch.allclose(weights, torch.tensor([4.0, 1.0, 1.25, 2.5, 1.25]))
+    assert choose(scores, ratio=0.4).tolist() == [1, 4]  # deviation alone
+    assert choose(scores, ratio=0.4, weights=weights).tolist() == [1, 4]  # 0.9 > 0.875 > 0.625 > 0.4
+    read = attention_weights(torch.tensor([0.9, 0, 0, 0, 0.1]))  # 5.5, 1, 1, 1, 1.5
+    assert choose(scores, ratio=0.2).tolist() == [1]
+    assert choose(scores, ratio=0.2, weights=read).tolist() == [4]  # 1.05 > 0.9 > 0.55
+    assert choose(scores, threshold=0.6, weights=weights).tolist() == [1, 4]
+    floored = choose(scores, ratio=1.0, floor=0.005, weights=attention_weights(torch.tensor([0, 0, 0, 1.0, 0])))
+    assert floored.tolist() == [0, 1, 2, 4]
+
+
 def test_deviation_is_relative():
     k, v = torch.randn(4, 3, 8), torch.randn(4, 3, 8)
     assert torch.allclose(deviation(k, v, k, v), torch.zeros(4))
@@ -106,3 +123,14 @@ def test_a_segment_continues_only_after_the_tokens_it_was_stored_after():
     near_start = SegmentEntry(b"k", tuple(prompt[3:10]), 3, 0, tuple(left_of(prompt, 3)))
     assert continues(near_start, prompt, 3)
     assert not continues(near_start, [9] + prompt, 4)  # fewer left tokens: the whole head must match
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("blend_selection", "loudest", "blend selection must be one of"),
+    ("blend_head_tokens", -1, "blend_head_tokens must be non-negative"),
+])
+def test_blend_options_are_checked_when_the_engine_config_is_made(field, value, message):
+    from kvmosaic.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match=message):
+        EngineConfig(segment_reuse="auto", **{field: value})

@@ -29,14 +29,17 @@ import torch
 from ..cache.segments import LEFT_CONTEXT, SegmentEntry
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
-from .forward import blend_forward
+from .forward import Picker, blend_forward
 from .prompt import SegmentSpan
 from .rope import rerotate
-from .select import choose
+from .select import attention_weights, choose
 from .store import SegmentKVStore
 
 MODES = ("off", "shift", "blend", "auto")  # auto: blend, and chunks found without markup (auto.py)
-SELECTIONS = ("deviation", "random")
+# deviation: CacheBlend's (the reused tokens whose check-layer KV deviates most); attention: the
+# same weighted by how much the answer reads each token there (select.attention_weights); random:
+# the baseline both must beat
+SELECTIONS = ("attention", "deviation", "random")
 
 
 @dataclass
@@ -45,7 +48,7 @@ class BlendOptions:
     ratio: float = 0.15
     threshold: float | None = None  # when set, overrides ratio
     check_layer: int = 2
-    selection: str = "deviation"  # "random" is the baseline the scores must beat
+    selection: str = "attention"  # see SELECTIONS
     seed: int = 0
     floor: float = 0.0  # with a ratio: never recompute a token whose deviation is at most this
     # The first tokens of every reused segment that does not follow the tokens it was computed
@@ -83,6 +86,17 @@ class BlendResult:
     # The same deviations weighted by the last prompt token's attention to them at the check
     # layer (sum over the kept tokens): how much of what the answer reads is off.
     drift_attn: float = 0.0
+
+
+def picker(opts: BlendOptions) -> Picker:
+    """The recompute choice ``opts`` asks for (blend/select.py)."""
+    gen = torch.Generator().manual_seed(opts.seed)
+
+    def pick(scores: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        weights = attention_weights(attention) if opts.selection == "attention" else None
+        return choose(scores, opts.ratio, opts.threshold, opts.selection == "random", gen, opts.floor, weights)
+
+    return pick
 
 
 def left_of(token_ids: list[int], start: int) -> list[int]:
@@ -135,10 +149,7 @@ class Blender:
                 if not continues(entry, token_ids, span.start):
                     reused[max(span.start, start) : min(span.start + opts.head, span.end)] = False
         reused[positions] = False
-        pick = None
-        if opts.mode in ("blend", "auto") and reused.any():
-            gen = torch.Generator().manual_seed(opts.seed)
-            pick = lambda s: choose(s, opts.ratio, opts.threshold, opts.selection == "random", gen, opts.floor)  # noqa: E731
+        pick = picker(opts) if opts.mode in ("blend", "auto") and reused.any() else None
         out = blend_forward(self.model, self.kv, ids, slots, start, reused, torch.tensor(positions), pick,
                             opts.check_layer)
         stored = 0

@@ -47,7 +47,6 @@ class SegmentReuse:
         self.store = SegmentKVStore(config.segment_cache_memory, segment_seed(model_fingerprint, config.dtype),
                                     tiers, model_fingerprint, kv)
         self.blender = Blender(model, kv, self.store)
-        self.selection = "deviation"  # "random": the baseline that deviation scores must beat
         self._tokenizer, self._auto = tokenizer, None
 
     @property
@@ -73,7 +72,7 @@ class SegmentReuse:
     def options(self) -> BlendOptions:
         c = self.config
         floor = AUTO_FLOOR if c.segment_reuse == "auto" else 0.0
-        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, self.selection,
+        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, c.blend_selection,
                             floor=floor, head=c.blend_head_tokens)
 
     def _auto_candidate(self, s, cache) -> bool:

@@ -7,7 +7,8 @@ to their positions). The pass then, for the tokens from ``start`` on:
 1. runs layers ``< check_layer`` on every token (their KV becomes exact);
 2. at ``check_layer`` computes fresh KV for every token, writes it, and scores each reused
    token by its deviation from the reused KV; ``pick`` chooses which reused tokens to
-   recompute. Non-reused tokens are always recomputed;
+   recompute, from those scores and the first logits position's attention to each token
+   there (fresh KV). Non-reused tokens are always recomputed;
 3. runs the chosen tokens (and only those) through the remaining layers; each writes its
    fresh KV and attends, causally by position, to the whole prompt's KV in the pool.
 
@@ -28,7 +29,9 @@ from ..model.attention import AttentionMetadata, PrefillSpan, paged_attention, p
 from ..model.llama import LlamaForCausalLM, RopeAt
 from .select import deviation
 
-Picker = Callable[[torch.Tensor], torch.Tensor]  # scores [R] -> chosen indices into them
+# (scores [R], attention [R]: the first logits position's attention to each at the check layer)
+# -> chosen indices into them
+Picker = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass
@@ -91,12 +94,13 @@ def blend_forward(
         r_idx = reused.nonzero().squeeze(1)
         r_slots = region_slots[r_idx]
         scores = deviation(k[r_idx], v[r_idx], kv.k[check_layer][r_slots], kv.v[check_layer][r_slots])
-        chosen = r_idx[pick(scores).to(dev)]
-        dev_full = torch.zeros(n, dtype=torch.float32)
-        dev_full[(r_idx + start).cpu()] = scores.float().cpu()
-        sel = torch.cat(((~reused).nonzero().squeeze(1), chosen)).sort().values
         kv.write(check_layer, region_slots, k, v)
         attn_row = _attention_row(q, kv.k[check_layer], ctx_slots, int(logits_positions[0]), start, layer.scale)
+        r_pos = (r_idx + start).cpu()
+        chosen = r_idx[pick(scores, attn_row[r_pos]).to(dev)]
+        dev_full = torch.zeros(n, dtype=torch.float32)
+        dev_full[r_pos] = scores.float().cpu()
+        sel = torch.cat(((~reused).nonzero().squeeze(1), chosen)).sort().values
         attn = paged_attention(q[sel], kv.k[check_layer], kv.v[check_layer],
                                _meta(region_slots[sel], pos[sel], ctx_slots), layer.scale)
         x = layer.finish(x[sel], attn)

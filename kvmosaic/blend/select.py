@@ -28,14 +28,16 @@ def choose(
     random: bool = False,
     generator: torch.Generator | None = None,
     floor: float = 0.0,
+    weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Indices (sorted) of the tokens to recompute.
 
     ``threshold`` (when set) takes every token whose score exceeds it; otherwise ``ratio``
     takes the ``ceil(ratio * n)`` highest, but none whose score is ``floor`` or less (their KV
     is already as this context gives it: auto reuse at the same position, blend/auto.py).
-    ``random`` picks the same number uniformly instead (the baseline that shows what the scores
-    are worth).
+    With ``weights`` the ratio ranks ``scores * weights`` (:func:`attention_weights`); the
+    threshold and the floor still read the scores. ``random`` picks the same number uniformly
+    instead (the baseline that shows what the scores are worth).
     """
     n = scores.numel()
     if threshold is not None:
@@ -49,5 +51,14 @@ def choose(
     if random:
         idx = torch.randperm(n, generator=generator)[:count]
     else:
-        idx = torch.topk(scores.float().cpu(), count).indices
+        ranked = scores.float().cpu() if weights is None else scores.float().cpu() * weights.float().cpu()
+        if floor > 0 and weights is not None:
+            ranked[scores.cpu() <= floor] = -1.0  # never above a token past the floor
+        idx = torch.topk(ranked, count).indices
     return idx.sort().values
+
+
+def attention_weights(attention: torch.Tensor) -> torch.Tensor:
+    """Ranking weights from one query's attention over ``n`` tokens: ``1 + n * a``, so a token
+    read as much as the average one counts twice, one never read counts its deviation alone."""
+    return 1.0 + attention.numel() * attention.float()
