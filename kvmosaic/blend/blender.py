@@ -13,7 +13,10 @@
   and a request whose segments are all new is an exact full prefill.
 
 Modes: ``shift`` recomputes only the non-segment tokens; ``blend`` also recomputes the reused
-tokens whose early-layer KV deviates most (a ratio, or all above a threshold).
+tokens whose early-layer KV deviates most (a ratio, or all above a threshold), by default
+weighted by how much the answer reads them (``selection``). In both, the first ``head`` tokens
+of a segment that no longer follows the tokens it was stored after are recomputed
+(:func:`continues`); docs/ARCHITECTURE.md, "Automatic segment reuse".
 
 Positions before the first reused token that kept its moved KV are exact (they only attend
 to exact tokens); :attr:`BlendResult.exact_until` says where that ends, so that the prefix
