@@ -146,5 +146,8 @@ def test_chunks_live_in_the_tiers(tmp_path):
     del first
     second = LLM(dtype="float32", num_kv_blocks=128, segment_reuse="auto", kv_tiers=tier, auto_reuse_max_drift=0.2)
     out = second.generate(text(DOCS[::-1]), GREEDY)[0]
-    assert out.auto_reuse["tokens"] > 0 and second.engine.segment_reuse.store.tier_loads > 0
+    store = second.engine.segment_reuse.store
+    assert out.auto_reuse["tokens"] > 0 and store.tier_loads > 0
+    # each chunk came back with the digest of what it followed (blend head tokens go by it)
+    assert all(e.left is not None and len(e.left) == 16 for e in store.index.entries.values())
     second.engine.close()

@@ -107,22 +107,23 @@ def test_deviation_is_relative():
     assert torch.allclose(d, torch.full((4,), 0.1), atol=1e-5)
 
 
-def test_a_segment_continues_only_after_the_tokens_it_was_stored_after():
-    from kvmosaic.blend.blender import continues, left_of
-    from kvmosaic.cache.segments import LEFT_CONTEXT, SegmentEntry
+def test_a_segments_left_context_digest_tells_where_it_continues():
+    """An entry's ``left`` is the digest of the 16 tokens before it (all of them nearer the
+    start): the same tokens give the same digest at any position; one token more, less or
+    changed gives another; with a tier secret the digest is keyed."""
+    from kvmosaic.blend.store import SegmentKVStore
 
+    store = SegmentKVStore(1 << 20, b"seed")
     prompt = list(range(100, 140))
-    stored = SegmentEntry(b"k", tuple(prompt[20:30]), 20, 0, tuple(left_of(prompt, 20)))
-    assert len(stored.left) == LEFT_CONTEXT
-    assert continues(stored, prompt, 20)
-    moved = [7, 8] + prompt  # the same left tokens two positions later: still continues
-    assert continues(stored, moved, 22)
-    other = prompt[:19] + [5] + prompt[20:]
-    assert not continues(stored, other, 20)  # one left token differs
-    assert not continues(SegmentEntry(b"k", (1,), 20, 0, None), prompt, 20)  # not known: moved
-    near_start = SegmentEntry(b"k", tuple(prompt[3:10]), 3, 0, tuple(left_of(prompt, 3)))
-    assert continues(near_start, prompt, 3)
-    assert not continues(near_start, [9] + prompt, 4)  # fewer left tokens: the whole head must match
+    at_20 = store.left_digest(prompt, 20)
+    assert store.left_digest([7, 8] + prompt, 22) == at_20  # moved by two, same left tokens
+    assert store.left_digest(prompt[:19] + [5] + prompt[20:], 20) != at_20
+    near_start = store.left_digest(prompt, 3)
+    assert store.left_digest(prompt, 3) == near_start
+    assert store.left_digest([9] + prompt, 4) != near_start  # four tokens before it, not three
+    keyed = SegmentKVStore(1 << 20, b"seed")
+    keyed.token_key = b"k" * 32
+    assert keyed.left_digest(prompt, 20) != at_20
 
 
 @pytest.mark.parametrize("field,value,message", [

@@ -23,6 +23,7 @@ from kvmosaic.tiers.format import (
     CorruptEntry,
     TierKeys,
     decode_block,
+    decode_block_meta,
     encode_block,
     read_meta,
     tokens_digest,
@@ -55,6 +56,14 @@ def test_round_trip():
     # the ids are not in the value: the meta read back has their digest instead
     assert read_meta(value) == dataclasses.replace(m, token_ids=(), tokens_digest=tokens_digest(m.token_ids))
     assert read_meta(value).tokens_digest != tokens_digest(m.token_ids, b"k" * 32)
+
+
+def test_a_segments_position_and_left_context_digest_come_back_uncompared():
+    m = meta(position=40, left=b"\x07" * 16)
+    value = encode_block(m, PAYLOAD)
+    stored, payload = decode_block_meta(value, meta())  # the expected meta has neither
+    assert payload == PAYLOAD and stored.position == 40 and stored.left == b"\x07" * 16
+    assert read_meta(encode_block(meta(), PAYLOAD)).left == b""
 
 
 def test_payload_can_be_a_memoryview():

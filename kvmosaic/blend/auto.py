@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from ..cache.chunking import ChunkRule, break_tokens, chunk_spans
-from .blender import Blender, BlendOptions, left_of
+from .blender import Blender, BlendOptions
 from .guard import guard
 from .prompt import SegmentSpan
 from .store import SegmentKVStore
@@ -118,6 +118,6 @@ class AutoReuse:
             part = kvt[:, :, at : at + c.num_tokens]
             at += c.num_tokens
             stored += self.store.put(token_ids[c.start : c.end], salt, adapter, c.start, part,
-                                     left=left_of(token_ids, c.start))
+                                     left=self.store.left_digest(token_ids, c.start))
         self.stats.stored_chunks += stored
         return stored

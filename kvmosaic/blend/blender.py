@@ -16,7 +16,7 @@ Modes: ``shift`` recomputes only the non-segment tokens; ``blend`` also recomput
 tokens whose early-layer KV deviates most (a ratio, or all above a threshold), by default
 weighted by how much the answer reads them (``selection``). In both, the first ``head`` tokens
 of a segment that no longer follows the tokens it was stored after are recomputed
-(:func:`continues`); docs/ARCHITECTURE.md, "Automatic segment reuse".
+(``SegmentEntry.left``); docs/ARCHITECTURE.md, "Automatic segment reuse".
 
 Positions before the first reused token that kept its moved KV are exact (they only attend
 to exact tokens); :attr:`BlendResult.exact_until` says where that ends, so that the prefix
@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from ..cache.segments import LEFT_CONTEXT, SegmentEntry
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from .forward import Picker, blend_forward
@@ -102,20 +101,6 @@ def picker(opts: BlendOptions) -> Picker:
     return pick
 
 
-def left_of(token_ids: list[int], start: int) -> list[int]:
-    """The tokens a segment at ``start`` is computed after, as its store entry records them."""
-    return token_ids[max(0, start - LEFT_CONTEXT) : start]
-
-
-def continues(entry: SegmentEntry, token_ids: list[int], start: int) -> bool:
-    """Whether the stored segment ``entry``, found at ``start``, follows the same tokens as where
-    it was computed (all of its :data:`LEFT_CONTEXT`, or the same whole prompt head before it)."""
-    left = entry.left
-    if left is None or (len(left) < LEFT_CONTEXT and start != len(left)):
-        return False
-    return tuple(left_of(token_ids, start)) == left
-
-
 class Blender:
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, store: SegmentKVStore) -> None:
         self.model, self.kv, self.store = model, kv, store
@@ -149,7 +134,7 @@ class Blender:
         reused = self._place(found, slots, start, n)
         if opts.head:
             for span, entry, _ in found:  # computed in full, as the tokens around the segments are
-                if not continues(entry, token_ids, span.start):
+                if entry.left is None or entry.left != self.store.left_digest(token_ids, span.start):
                     reused[max(span.start, start) : min(span.start + opts.head, span.end)] = False
         reused[positions] = False
         pick = picker(opts) if opts.mode in ("blend", "auto") and reused.any() else None
@@ -159,7 +144,7 @@ class Blender:
         for span in missing:  # stored with the KV this prompt gave it
             kvt = self._read(slots[span.start : span.end])
             if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start, kvt,
-                              left=left_of(token_ids, span.start)):
+                              left=self.store.left_digest(token_ids, span.start)):
                 stored += span.num_tokens
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()

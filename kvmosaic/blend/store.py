@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import torch
 
 from ..cache.hashing import CacheNamespace
-from ..cache.segments import SegmentEntry, SegmentIndex, segment_key
+from ..cache.segments import LEFT_CONTEXT, SegmentEntry, SegmentIndex, segment_key
 from ..kv.block_io import dtype_name
 from ..kv.paged import PagedKVCache
-from ..tiers import BlockMeta, TierStack
+from ..tiers import BlockMeta, TierStack, tokens_digest
 
 SEGMENT_LAYOUT = "segment:L,2,T,H,D"
 
@@ -36,6 +36,7 @@ class SegmentKVStore:
         self.seed = seed
         self.tensors: dict[bytes, torch.Tensor] = {}
         self.tiers: TierStack | None = None
+        self.token_key: bytes | None = None  # keys the left-context digests (the tiers' token key)
         self.fingerprint = ""
         self.tier_loads = 0  # segments found in a tier after a memory miss
         if tiers is not None:
@@ -46,13 +47,20 @@ class SegmentKVStore:
     def attach_tiers(self, tiers: TierStack, fingerprint: str, kv: PagedKVCache) -> None:
         """Write stored segments to ``tiers`` too and look there on a memory miss."""
         self.tiers, self.fingerprint = tiers, fingerprint
+        self.token_key = tiers.token_key
         self.layer_shape = (kv.config.num_layers, 2, kv.config.num_kv_heads, kv.config.head_dim)
         self.dtype = kv.dtype
 
     def _meta(self, key: bytes, tokens: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
-              origin: int = 0) -> BlockMeta:
+              origin: int = 0, left: bytes | None = None) -> BlockMeta:
         return BlockMeta(self.fingerprint, dtype_name(dtype), len(tokens), SEGMENT_LAYOUT, shape,
-                         tuple(int(t) for t in tokens), key, position=origin)
+                         tuple(int(t) for t in tokens), key, position=origin, left=left or b"")
+
+    def left_digest(self, token_ids: Sequence[int], start: int) -> bytes:
+        """The digest a segment at ``start`` of ``token_ids`` records of the tokens before it: the
+        last :data:`LEFT_CONTEXT` (all of them nearer the start, so their number counts too),
+        keyed like the tiers' token digests, so that a tier holds no guessable digest of them."""
+        return tokens_digest([int(t) for t in token_ids[max(0, start - LEFT_CONTEXT) : start]], self.token_key)
 
     def key(self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None) -> bytes:
         return segment_key(CacheNamespace(self.seed, cache_salt, adapter_id), tokens)
@@ -76,19 +84,19 @@ class SegmentKVStore:
             return None
         kv = torch.frombuffer(bytearray(got.payload), dtype=self.dtype).view(shape)
         self.tier_loads += 1
-        if not self.put(tokens, cache_salt, adapter_id, got.position, kv, to_tiers=False):
+        if not self.put(tokens, cache_salt, adapter_id, got.position, kv, to_tiers=False, left=got.left or None):
             return None
         return self.index.lookup(key, tokens), self.tensors[key]
 
     def put(
         self, tokens: Sequence[int], cache_salt: str | None, adapter_id: str | None, origin: int, kv: torch.Tensor,
-        to_tiers: bool = True, left: Sequence[int] | None = None,
+        to_tiers: bool = True, left: bytes | None = None,
     ) -> bool:
-        """Keep ``kv`` (copied) for ``tokens``, computed after the tokens ``left`` (see
-        :class:`~kvmosaic.cache.segments.SegmentEntry`); False when it is larger than the budget."""
+        """Keep ``kv`` (copied) for ``tokens``, computed after the tokens whose
+        :meth:`left_digest` is ``left``; False when it is larger than the budget."""
         key = self.key(tokens, cache_salt, adapter_id)
         if to_tiers and self.tiers is not None:
-            meta = self._meta(key, tokens, tuple(kv.shape), kv.dtype, origin)
+            meta = self._meta(key, tokens, tuple(kv.shape), kv.dtype, origin, left)
             payload = kv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
             self.tiers.put_block(key, meta, payload, range(len(self.tiers)))  # MAC'd per tier (format.py)
         evicted = self.index.insert(key, tokens, origin, kv.numel() * kv.element_size(), left)

@@ -47,14 +47,14 @@ def segment_key(namespace: CacheNamespace, tokens: Sequence[int]) -> SegmentKey:
 @dataclass
 class SegmentEntry:
     """A stored segment: ``tokens`` were computed at positions ``origin .. origin+len-1``,
-    right after the tokens ``left`` (the last up-to-:data:`LEFT_CONTEXT` tokens before it
-    there; None: not known, e.g. loaded from a tier)."""
+    right after the tokens whose digest is ``left`` (the last up-to-:data:`LEFT_CONTEXT` tokens
+    before it there, ``blend/blender.py::left_digest``; None: not known)."""
 
     key: SegmentKey
     tokens: tuple[int, ...]
     origin: int
     nbytes: int
-    left: tuple[int, ...] | None = None
+    left: bytes | None = None
 
 
 @dataclass
@@ -93,7 +93,7 @@ class SegmentIndex:
         return entry
 
     def insert(self, key: SegmentKey, tokens: Sequence[int], origin: int, nbytes: int,
-               left: Sequence[int] | None = None) -> list[SegmentKey] | None:
+               left: bytes | None = None) -> list[SegmentKey] | None:
         """Admit an entry, evicting least recently used ones to make room. Returns the
         evicted keys (the caller drops their tensors), or None when it cannot fit at all."""
         if nbytes > self.capacity_bytes:
@@ -103,8 +103,7 @@ class SegmentIndex:
             old, _ = next(iter(self.entries.items()))
             evicted += self.remove(old)
             self.stats.evictions += 1
-        self.entries[key] = SegmentEntry(key, tuple(tokens), origin, nbytes,
-                                         None if left is None else tuple(left)[-LEFT_CONTEXT:])
+        self.entries[key] = SegmentEntry(key, tuple(tokens), origin, nbytes, left)
         self.used_bytes += nbytes
         self.stats.inserts += 1
         return evicted

@@ -127,6 +127,9 @@ class BlockMeta:
     rotated (a stored segment's origin; 0 for prefix blocks, whose position follows from the
     chain): a property of the data, not of its identity, so a load reports it and does not compare.
 
+    ``left`` (segments only) is the digest of the tokens the payload was computed after
+    (:func:`tokens_digest` under the token key), reported like ``position``, never compared.
+
     ``token_ids`` is what the caller knows (expected side, and what a store announces in events);
     it is never written: the value holds ``tokens_digest`` instead, so a meta read back from a
     value (:func:`read_meta`) has ``token_ids == ()`` and the digest.
@@ -142,6 +145,7 @@ class BlockMeta:
     version: int = field(default=FORMAT_VERSION)
     position: int = 0
     tokens_digest: bytes = b""
+    left: bytes = b""
 
     def payload_nbytes(self) -> int | None:
         """The payload size the shape and dtype imply, or None for an unknown dtype."""
@@ -166,6 +170,8 @@ class BlockMeta:
         }
         if self.position:
             d["position"] = self.position
+        if self.left:
+            d["left"] = self.left.hex()
         return json.dumps(d, separators=(",", ":")).encode()
 
     @classmethod
@@ -182,6 +188,7 @@ class BlockMeta:
             version=version,
             position=int(d.get("position", 0)),
             tokens_digest=bytes.fromhex(d["tokens"]),
+            left=bytes.fromhex(d.get("left", "")),
         )
 
 

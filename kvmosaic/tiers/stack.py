@@ -54,6 +54,7 @@ class Loaded:
     tier: int
     medium: str
     position: int = 0  # the stored meta's position (a segment's origin)
+    left: bytes = b""  # the stored meta's left-context digest (a segment's)
 
 
 class TierStack:
@@ -127,7 +128,7 @@ class TierStack:
                     why = self.payload_check(meta, payload)
                     if why:
                         raise CorruptEntry(why)
-                return Loaded(payload, i, t.medium, meta.position)
+                return Loaded(payload, i, t.medium, meta.position, meta.left)
             except CorruptEntry as e:
                 t.stats.record_corrupt(e.reason)
                 t.delete(key)
