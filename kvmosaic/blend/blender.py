@@ -172,9 +172,8 @@ class Blender:
         ks, vs, dst = [], [], []
         for span, entry, kvt in found:
             lo = max(span.start, start)
-            origin = entry.origin
             part = kvt[:, :, lo - span.start :]
-            ks.append(rerotate(part[:, 0], span.start - origin, self.inv_freq))
+            ks.append(rerotate(part[:, 0], span.start - entry.origin, self.inv_freq))
             vs.append(part[:, 1])
             dst.append(slots[lo : span.end])
             reused[lo : span.end] = True
