@@ -13,7 +13,7 @@ compared with full prefill of the same prompt:
 * greedy agreement: the fraction of the 16 free-running greedy tokens equal to full prefill's;
 * accuracy: whether the answer string appears in the 16 generated tokens.
 
-Run: ``python -m benchmarks.blend_quality`` (``--requests``, ``--check-layer``, ``--seed``,
+Run: ``python -m benchmarks.blend_quality`` (``--requests``, ``--check-layer``, ``--seed``, ``--kinds``,
 ``--out``). Prints a markdown
 table and writes a Pareto plot of KL against TTFT into ``docs/blend/``.
 """
@@ -127,14 +127,15 @@ class Config:
     kind: str  # "full" | "prefix" | "shift" | "blend" | "attention" | "random" | "threshold"
     ratio: float | None = None
     threshold: float | None = None
+    head: int = 0  # blend_head_tokens
 
     def options(self) -> BlendOptions | None:
         if self.kind in ("full", "prefix"):
             return None
         if self.kind == "shift":
-            return BlendOptions("shift")
+            return BlendOptions("shift", head=self.head)
         sel = self.kind if self.kind in ("random", "attention") else "deviation"
-        return BlendOptions("blend", self.ratio or 0.0, self.threshold, selection=sel)
+        return BlendOptions("blend", self.ratio or 0.0, self.threshold, selection=sel, head=self.head)
 
 
 @dataclass
@@ -227,9 +228,11 @@ def kl(ref: torch.Tensor, lp: torch.Tensor) -> torch.Tensor:
     return (ref.exp() * (ref - lp)).sum(-1).clamp_min(0)
 
 
-def run(n_requests: int, check_layer: int = 2, seed: int = 0) -> list[Row]:
+def run(n_requests: int, check_layer: int = 2, seed: int = 0, kinds: set[str] | None = None,
+        head: int = 0) -> list[Row]:
     h = Harness(check_layer)
-    cfgs = configs()
+    cfgs = [replace(c, head=head) for c in configs()
+            if kinds is None or c.kind in kinds or c.kind == "full"]  # full: the reference
     stats: dict[str, dict[str, list[float]]] = {c.name: {} for c in cfgs}
     for i, (prompt, answer) in enumerate(requests(n_requests, seed)):
         ref_out = h.generate(cfgs[0], prompt)
@@ -281,7 +284,9 @@ def plot(rows: list[Row], path: Path) -> None:
         for x, y, name in pts:
             ax.annotate(name.split(" ", 1)[1], (x, y), fontsize=7, xytext=(3, 3), textcoords="offset points")
     for kind, marker in [("shift", "X"), ("prefix", "P"), ("full", "*")]:
-        r = next(r for r in rows if r.kind == kind)
+        r = next((r for r in rows if r.kind == kind), None)
+        if r is None:
+            continue
         ax.plot([r.ttft_ms], [max(r.kl_mean, floor)], marker, markersize=11, label=r.name)
     ax.set_xlabel("TTFT, ms (p50)")
     ax.set_ylabel("mean teacher-forced KL vs full prefill (16 tokens)")
@@ -299,8 +304,13 @@ def main() -> None:
     ap.add_argument("--check-layer", type=int, default=2, help="the layer whose KV deviation picks tokens")
     ap.add_argument("--seed", type=int, default=0, help="seeds the document orders")
     ap.add_argument("--out", default="docs/blend")
+    ap.add_argument("--kinds", default=None,
+                    help="comma-separated modes to run (full prefill always runs): prefix, shift, blend, attention, "
+                         "random, threshold (default: all)")
+    ap.add_argument("--head", type=int, default=0, help="blend_head_tokens of every reuse mode")
     args = ap.parse_args()
-    rows = run(args.requests, args.check_layer, args.seed)
+    rows = run(args.requests, args.check_layer, args.seed, set(args.kinds.split(",")) if args.kinds else None,
+               args.head)
     md = table(rows)
     print(md)
     out = Path(args.out)

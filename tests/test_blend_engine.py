@@ -175,3 +175,18 @@ def test_a_segment_that_still_follows_its_neighbour_keeps_its_head(llm):
         assert run(llm, order, mode="shift").num_segment_tokens == seg_tokens - 3 * 2
     finally:
         llm.engine.config.blend_head_tokens = 0
+
+
+def test_the_selection_defaults_to_each_modes_better_rule(llm):
+    """Automatic reuse ranks by deviation x attention, marked segments by deviation alone (each
+    the better on its benchmark); ``blend_selection`` sets either."""
+    e = llm.engine
+    try:
+        e.config.segment_reuse = "auto"
+        assert e.segment_reuse.options().selection == "attention"
+        e.config.segment_reuse = "blend"
+        assert e.segment_reuse.options().selection == "deviation"
+        e.config.blend_selection = "random"
+        assert e.segment_reuse.options().selection == "random"
+    finally:
+        e.config.blend_selection, e.config.segment_reuse = None, "off"

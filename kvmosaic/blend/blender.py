@@ -13,8 +13,8 @@
   and a request whose segments are all new is an exact full prefill.
 
 Modes: ``shift`` recomputes only the non-segment tokens; ``blend`` also recomputes the reused
-tokens whose early-layer KV deviates most (a ratio, or all above a threshold), by default
-weighted by how much the answer reads them (``selection``). In both, the first ``head`` tokens
+tokens whose early-layer KV deviates most (a ratio, or all above a threshold), or those
+weighted by how much the answer reads them (``selection``: auto reuse's default). In both, the first ``head`` tokens
 of a segment that no longer follows the tokens it was stored after are recomputed
 (``SegmentEntry.left``); docs/ARCHITECTURE.md, "Automatic segment reuse".
 
@@ -50,7 +50,7 @@ class BlendOptions:
     ratio: float = 0.15
     threshold: float | None = None  # when set, overrides ratio
     check_layer: int = 2
-    selection: str = "attention"  # see SELECTIONS
+    selection: str = "deviation"  # see SELECTIONS
     seed: int = 0
     floor: float = 0.0  # with a ratio: never recompute a token whose deviation is at most this
     # The first tokens of every reused segment that does not follow the tokens it was computed

@@ -71,9 +71,10 @@ class SegmentReuse:
 
     def options(self) -> BlendOptions:
         c = self.config
-        floor = AUTO_FLOOR if c.segment_reuse == "auto" else 0.0
-        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, c.blend_selection,
-                            floor=floor, head=c.blend_head_tokens)
+        auto = c.segment_reuse == "auto"
+        selection = c.blend_selection or ("attention" if auto else "deviation")  # see EngineArgs.blend_selection
+        return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, selection,
+                            floor=AUTO_FLOOR if auto else 0.0, head=c.blend_head_tokens)
 
     def _auto_candidate(self, s, cache) -> bool:
         """Auto mode, on the step that admits an unmarked prompt: look its chunks up once."""

@@ -172,10 +172,12 @@ class EngineArgs(CliArgs):
     blend_threshold: float | None = option(None, "blend: recompute tokens deviating more (overrides the ratio)",
                                            type=float)
     blend_check_layer: int = option(2, "blend: the early layer whose KV deviation picks tokens (>= 1)")
-    blend_selection: str = option("attention", "blend: which reused tokens the ratio recomputes: those whose "
-                                              "check-layer KV deviates most (deviation, CacheBlend's), the same "
-                                              "weighted by the answer's attention to them there (attention), "
-                                              "or random (the baseline)", choices=("attention", "deviation", "random"))
+    blend_selection: str | None = option(None, "blend: which reused tokens the ratio recomputes: those whose "
+                                                "check-layer KV deviates most (deviation, CacheBlend's), the same "
+                                                "weighted by the answer's attention to them there (attention), or "
+                                                "random (the baseline); default: attention with --segment-reuse "
+                                                "auto, deviation for marked segments (each the better on its "
+                                                "benchmark, BENCHMARKS.md)", choices=("attention", "deviation", "random"))
     blend_head_tokens: int = option(12, "blend: the first tokens of every reused segment that no longer follows "
                                         "the tokens it was computed after are recomputed too (EPIC's LegoLink)")
     segment_cache_memory: int = option(256 << 20, "bytes for stored segment KV (LRU), e.g. 256M", type=memory_size)

@@ -55,7 +55,7 @@ class EngineConfig(EngineArgs):
         from ..blend.blender import BlendOptions  # validates the segment reuse fields
 
         BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer,
-                     self.blend_selection, head=self.blend_head_tokens)
+                     self.blend_selection or "deviation", head=self.blend_head_tokens)
         if not self.auto_reuse_max_drift >= 0:
             raise ValueError(f"auto_reuse_max_drift must be non-negative, got {self.auto_reuse_max_drift}")
         if self.kv_tiers:
