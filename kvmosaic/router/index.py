@@ -194,6 +194,12 @@ class ClusterIndex:
         view = self.replicas.get(replica_id)
         return view is not None and not view.stale and view.lag_s <= self.max_lag_s
 
+    def expects(self, replica_id: str, block_hash: bytes, now: float | None = None) -> bool:
+        """Whether this router sent the replica a prompt starting with ``block_hash`` whose
+        expectation has not expired: its own record, true whatever the replica's events say yet."""
+        until = self.expected.get(block_hash, {}).get(replica_id)
+        return until is not None and until > (self.clock() if now is None else now)
+
     def expect(self, replica_id: str, chain: list[bytes], ttl_s: float, now: float | None = None) -> None:
         """Count ``chain`` as held by the replica for ``ttl_s`` (until its events confirm it).
         Amortised O(len(chain)): expired expectations leave in expiry order."""

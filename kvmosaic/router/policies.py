@@ -128,12 +128,18 @@ class CacheAware(LeastLoaded):
         return request.hashes
 
     def held(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> dict[str, tuple[int, float]] | None:
-        """replica -> (cached tokens, credited tokens); None when no view can be trusted."""
-        fresh = [r.replica_id for r in replicas if self.index.fresh(r.replica_id)]
-        if not fresh or self.hasher is None and request.hashes is None:
+        """replica -> (cached tokens, credited tokens); None when no view can be trusted. A replica
+        this router sent the prompt's first block to counts as trusted for it (the expectation is
+        the router's own record): a repeat sent before the replica's events arrive finds it."""
+        if self.hasher is None and request.hashes is None:
+            return None
+        chain = self.chain(request)
+        fresh = [r.replica_id for r in replicas
+                 if self.index.fresh(r.replica_id) or chain and self.index.expects(r.replica_id, chain[0])]
+        if not fresh:
             return None
         bs = self.index.block_size
-        return {r: (m.blocks * bs, m.credit_tokens) for r, m in self.index.match(self.chain(request), fresh).items()}
+        return {r: (m.blocks * bs, m.credit_tokens) for r, m in self.index.match(chain, fresh).items()}
 
     def cache_blocks(self, replica_id: str) -> int:
         """How many blocks the index says the replica's cache holds (0 when unknown)."""
@@ -142,10 +148,10 @@ class CacheAware(LeastLoaded):
 
     def choose(self, request: RouteRequest, replicas: Sequence[ReplicaLoad]) -> tuple[str, str]:
         held = self.held(request, replicas)
-        if held is None:
-            return self.pick(replicas), "fallback"
         cost = self.running_cost_tokens
-        if min(r.tokens(cost) for r in replicas) > self.load_bound_tokens:
+        if held is None:
+            chosen, reason = self.pick(replicas), "fallback"
+        elif min(r.tokens(cost) for r in replicas) > self.load_bound_tokens:
             chosen, reason = self.pick(replicas), "load_balance"
         else:
             # Ties (typically: a prompt no replica holds, on an idle cluster) go to the replica

@@ -183,3 +183,19 @@ def test_every_replica_runs_serve_in_low_latency_mode_with_direct_ingress_as_dec
         for deployment in (front, engines):
             env = deployment.ray_actor_options["runtime_env"]["env_vars"]
             assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": direct}
+
+
+def test_a_repeat_before_any_event_goes_where_the_first_went():
+    """No replica has published yet (no view is fresh): the first prompt falls back to least
+    loaded, and the router's own record of it sends a repeat, sent before the events arrive,
+    to the same replica; another prompt still rotates."""
+    index = ClusterIndex(4, clock=lambda: 0.0)
+    pol = CacheAware(index, H, expect_ttl_s=30.0)
+    idle = [ReplicaLoad("a", 0), ReplicaLoad("b", 0)]
+    first, reason = pol.choose(RouteRequest("1", list(range(3, 30))), idle)
+    assert reason == "fallback"
+    for i in range(2, 6):
+        req = RouteRequest(str(i), list(range(3, 30)))
+        assert pol.choose(req, idle) == (first, "cache_hit") and req.predicted_cached_tokens == 24
+    others = {pol.choose(RouteRequest(str(i), list(range(100 + i, 140 + i))), idle)[0] for i in range(4)}
+    assert others == {"a", "b"}
