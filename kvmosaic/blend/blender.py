@@ -134,7 +134,7 @@ class Blender:
         reused = self._place(found, slots, start, n)
         if opts.head:
             for span, entry, _ in found:  # computed in full, as the tokens around the segments are
-                if entry.left is None or entry.left != self.store.left_digest(token_ids, span.start):
+                if entry.left != self.store.left_digest(token_ids, span.start):  # None: not known, moved
                     reused[max(span.start, start) : min(span.start + opts.head, span.end)] = False
         reused[positions] = False
         pick = picker(opts) if opts.mode in ("blend", "auto") and reused.any() else None

@@ -51,9 +51,10 @@ def choose(
     if random:
         idx = torch.randperm(n, generator=generator)[:count]
     else:
-        ranked = scores.float().cpu() if weights is None else scores.float().cpu() * weights.float().cpu()
+        plain = scores.float().cpu()
+        ranked = plain if weights is None else plain * weights.float().cpu()
         if floor > 0 and weights is not None:
-            ranked[scores.cpu() <= floor] = -1.0  # never above a token past the floor
+            ranked[plain <= floor] = -1.0  # never above a token past the floor
         idx = torch.topk(ranked, count).indices
     return idx.sort().values
 

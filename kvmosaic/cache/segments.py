@@ -48,7 +48,7 @@ def segment_key(namespace: CacheNamespace, tokens: Sequence[int]) -> SegmentKey:
 class SegmentEntry:
     """A stored segment: ``tokens`` were computed at positions ``origin .. origin+len-1``,
     right after the tokens whose digest is ``left`` (the last up-to-:data:`LEFT_CONTEXT` tokens
-    before it there, ``blend/blender.py::left_digest``; None: not known)."""
+    before it there, ``SegmentKVStore.left_digest`` in blend/store.py; None: not known)."""
 
     key: SegmentKey
     tokens: tuple[int, ...]

@@ -134,12 +134,12 @@ class CacheAware(LeastLoaded):
         if self.hasher is None and request.hashes is None:
             return None
         chain = self.chain(request)
-        fresh = [r.replica_id for r in replicas
-                 if self.index.fresh(r.replica_id) or chain and self.index.expects(r.replica_id, chain[0])]
-        if not fresh:
+        trusted = [r.replica_id for r in replicas
+                   if self.index.fresh(r.replica_id) or chain and self.index.expects(r.replica_id, chain[0])]
+        if not trusted:
             return None
         bs = self.index.block_size
-        return {r: (m.blocks * bs, m.credit_tokens) for r, m in self.index.match(chain, fresh).items()}
+        return {r: (m.blocks * bs, m.credit_tokens) for r, m in self.index.match(chain, trusted).items()}
 
     def cache_blocks(self, replica_id: str) -> int:
         """How many blocks the index says the replica's cache holds (0 when unknown)."""
