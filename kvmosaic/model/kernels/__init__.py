@@ -9,7 +9,7 @@ Only what torch has no fast path for lives here:
   what takes torch two to ten operator calls each (``elementwise.c``): at decode, with one token per sequence,
   those calls' dispatch is a large part of the step. They round where torch rounds;
 * ``prefill.prefill_attention``: causal prefill attention over the pool in place, bfloat16 on
-  AVX512-BF16 and float32 on AVX-512 (``prefill_attention.c``), where torch's flash kernel ran
+  AVX512-BF16 and float32 on AVX-512 or AVX2 (``prefill_attention.c``, ``prefill_attention_avx2.c``), where torch's flash kernel ran
   at ~10% of the GEMM peak on a CPU without AMX;
 * :func:`q4_1_matmul` and :func:`q4_1_dequantize` compute with a GGUF's own Q4_1 blocks
   (``q4_1_matmul.c``, for ``quantization="gguf"``: model/quant_gguf.py); checked at load
@@ -42,7 +42,8 @@ import torch
 log = logging.getLogger("kvmosaic")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "decode_step.c", "prefill_attention.c")]
+           for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "decode_step.c", "prefill_attention.c",
+                        "prefill_attention_avx2.c")]
 HEADERS = [Path(__file__).with_name(name)
            for name in ("bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h")]
 # No FMA contraction: a * b + c rounds the product as torch's separate operators do.

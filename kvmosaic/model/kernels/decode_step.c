@@ -23,13 +23,21 @@
 #include "elementwise.h"
 #include "paged_decode.h"
 
-#if defined(__AVX512F__)
+/* float32 needs AVX-512, or AVX2 with FMA (8 lanes: a tile of fewer rows, so that the accumulators,
+ * weight vectors and x fit the 16 ymm registers); bfloat16 needs AVX512-BF16. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define FUSED_F32 1
 #include <immintrin.h>
 
 #define CHANNELS 4  /* output channels per tile: their weight rows are read once per tile */
+#if defined(__AVX512F__)
 #define ROWS 4      /* batch rows per tile */
+#else
+#define ROWS 2
+#endif
 #define PER_LAYER 8 /* pointers per layer: see decode_step */
 
+#if defined(__AVX512F__)
 /* out[r][c] = x_r . w_c for CHANNELS float32 weight rows at w and nr rows of x (in % 16 == 0). */
 INLINE void dot_tile_f32(const float *w, int64_t in, const float *x, int64_t x_stride, const int nr,
                          float out[ROWS][CHANNELS]) {
@@ -50,6 +58,34 @@ INLINE void dot_tile_f32(const float *w, int64_t in, const float *x, int64_t x_s
     for (int r = 0; r < nr; ++r)
         for (int c = 0; c < CHANNELS; ++c) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
+#else
+INLINE float sum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* dot_tile_f32 on AVX2: the same contract, 8 lanes (in % 8 == 0). */
+INLINE void dot_tile_f32(const float *w, int64_t in, const float *x, int64_t x_stride, const int nr,
+                         float out[ROWS][CHANNELS]) {
+    __m256 acc[ROWS][CHANNELS];
+    for (int r = 0; r < nr; ++r)
+        for (int c = 0; c < CHANNELS; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t i = 0; i < in; i += 8) {
+        __m256 wv[CHANNELS];
+        for (int c = 0; c < CHANNELS; ++c) {
+            if (i % 16 == 0) _mm_prefetch((const char *)(w + (c + CHANNELS) * in + i), _MM_HINT_T0);
+            wv[c] = _mm256_loadu_ps(w + c * in + i);
+        }
+        for (int r = 0; r < nr; ++r) {
+            const __m256 xv = _mm256_loadu_ps(x + r * x_stride + i);
+            for (int c = 0; c < CHANNELS; ++c) acc[r][c] = _mm256_fmadd_ps(wv[c], xv, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < nr; ++r)
+        for (int c = 0; c < CHANNELS; ++c) out[r][c] = sum8(acc[r][c]);
+}
+#endif
 
 #define ELEM float
 #define NAME(f) f##_f32
@@ -109,13 +145,14 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, const uint16_t *x, int6
  * slot_mapping [batch]: where each token's K/V goes; ctx_slots [batch, max_len] and lens [batch]:
  * each sequence's context, the new token last.
  * bf16: 1 for bfloat16, 0 for float32.
- * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 (AVX512-BF16 for bfloat16), -3 out of memory; with
+ * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for bfloat16), -3
+ * out of memory; with
  * batch 0 it only answers whether it serves the shapes. */
 int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t inter, int64_t heads,
                 int64_t kv_heads, int64_t dim, float eps, float scale, void *stream, const float *cos,
                 const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots, const int64_t *lens,
                 int64_t max_len, int64_t batch, int bf16, int num_threads) {
-#if defined(__AVX512F__)
+#if defined(FUSED_F32)
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (group < 1 || heads % kv_heads || group > MAX_GROUP || dim > MAX_DIM || dim % 32 || hidden > MAX_HIDDEN
@@ -143,10 +180,10 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
 
 /* y [batch, out] = x [batch, in] @ w [out, in]^T in the dtype (bf16: 1 for bfloat16, 0 for
  * float32), each row on its own as in the fused step: the LM head after the fused layers.
- * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 (AVX512-BF16 for bfloat16). */
+ * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for bfloat16). */
 int linear_rows(const void *w, int64_t in, int64_t out, const void *x, int64_t batch, void *y, int bf16,
                 int num_threads) {
-#if defined(__AVX512F__)
+#if defined(FUSED_F32)
     if (in % 32 || out % CHANNELS) return -1;
 #if !defined(__AVX512BF16__)
     if (bf16) return -2;

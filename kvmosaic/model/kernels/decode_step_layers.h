@@ -5,9 +5,11 @@
 static void NAME(dots)(const ELEM *w, int64_t in, const ELEM *x, int64_t x_stride, int nr, float out[ROWS][CHANNELS]) {
     switch (nr) {
     case 1: NAME(dot_tile)(w, in, x, x_stride, 1, out); break;
+#if ROWS > 2
     case 2: NAME(dot_tile)(w, in, x, x_stride, 2, out); break;
     case 3: NAME(dot_tile)(w, in, x, x_stride, 3, out); break;
-    default: NAME(dot_tile)(w, in, x, x_stride, 4, out); break;
+#endif
+    default: NAME(dot_tile)(w, in, x, x_stride, ROWS, out); break;
     }
 }
 

@@ -1,5 +1,6 @@
 """Causal prefill attention over the paged pool, in C: bfloat16 on AVX512-BF16, float32 on
-AVX-512 (``prefill_attention.c``; docs/ARCHITECTURE.md, "Prefill attention").
+AVX-512 or AVX2 with FMA (``prefill_attention.c``, ``prefill_attention_avx2.c``;
+docs/ARCHITECTURE.md, "Prefill attention").
 
 Serves a prompt span whose queries are the last tokens of its context with no mask beyond
 causality (``PrefillSpan.mask is None``), or queries at any positions of it that each see the

@@ -325,7 +325,12 @@ DEFINE_TILE_F32(tile_f32_d64, 6, 4)
 DEFINE_TILE_F32(tile_f32_d128, 3, 8)
 #endif
 
-/* prefill_attention in float32 (AVX-512): the same contract, P not rounded. */
+int prefill_attention_f32_avx2(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
+                               const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads,
+                               int64_t kv_heads, int64_t dim, float scale, float *out, int num_threads);
+
+/* prefill_attention in float32 (AVX-512; on AVX2 with FMA prefill_attention_avx2.c's): the same
+ * contract, P not rounded. */
 int prefill_attention_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
                           const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads, int64_t kv_heads,
                           int64_t dim, float scale, float *out, int num_threads) {
@@ -365,6 +370,9 @@ int prefill_attention_f32(const float *q, const float *k_pool, const float *v_po
     }
     free(packed);
     return 0;
+#elif defined(__AVX2__) && defined(__FMA__)
+    return prefill_attention_f32_avx2(q, k_pool, v_pool, slots, positions, ctx, num_tokens, heads, kv_heads, dim, scale,
+                                      out, num_threads);
 #else
     (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)positions, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
     (void)dim, (void)scale, (void)out, (void)num_threads;
