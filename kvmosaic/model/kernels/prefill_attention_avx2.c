@@ -1,12 +1,13 @@
 /* Causal prefill attention in float32 on CPUs with AVX2 and FMA but no AVX-512: what
  * prefill_attention_f32 (prefill_attention.c) calls there, with its contract and invariants, on
- * 8-lane vectors and 16 registers. torch's float32 flash kernel ran the shipped model's shapes at
- * ~100 GFLOP/s on an AVX-512 CPU; on AVX2 the same gap (docs/ARCHITECTURE.md, "Prefill attention").
+ * 8-lane vectors and 16 registers. On an AVX2 AMD EPYC (Zen 3) torch's float32 flash kernel ran
+ * the shipped model's 745-token prefill at 7-26 GFLOP/s a layer, this kernel at ~75 (two threads;
+ * docs/ARCHITECTURE.md, "Prefill attention").
  *
  * Each KV head's context is repacked once for all its query heads: K as [8-key tiles][D][8] (a
  * lane is one key), V as [ctx_pad][D]. A tile of ROWS query rows then runs an online softmax
  * over blocks of BLOCK keys: the rows' scores by FMA (the K vector loaded once for all rows), the
- * softmax row by row, and P.V in passes of CHUNK output dimensions whose accumulators stay in
+ * softmax's reductions and rescaling factors for the rows together, and P.V in passes of CHUNK output dimensions whose accumulators stay in
  * registers for the block (16 ymm registers do not hold a row's 64 accumulators, let alone
  * four rows'), P kept in float32 as torch's float32 flash kernel keeps it.
  *
@@ -26,7 +27,8 @@
 
 #define LANES 8
 #define BLOCK 16   /* keys per online-softmax step: two 8-lane score vectors per row */
-#define ROWS 4     /* query rows per tile: 8 score registers, each K vector loaded once for all */
+#define ROWS 4     /* query rows per tile (<= 8): 8 score registers, each K vector loaded once for all
+                    * (6 rows, 12 registers, measured slower: the softmax's masks and exps spill) */
 #define CHUNK 16   /* output dimensions per P.V pass: ROWS x 2 accumulators in registers */
 #define MAX_DIM 128
 
@@ -49,17 +51,18 @@ static inline __m256 exp8_clamped(__m256 x) {
     return _mm256_mul_ps(_mm256_mul_ps(p, s1), s2);
 }
 
-static inline float hmax8(__m256 v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
-}
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
+/* The horizontal max / sum of each of 4 vectors, row r's in lane r (lanes 4-7 repeat them).
+ * Each lane only combines values of one row, in a tree that is the same for every row: a row's
+ * figure does not depend on the other rows, nor on its place among them. */
+#define DEFINE_REDUCE_ROWS(NAME, OP)                                                          \
+    static inline __m256 NAME(const __m256 v[4]) {                                            \
+        const __m256 u0 = OP(_mm256_unpacklo_ps(v[0], v[1]), _mm256_unpackhi_ps(v[0], v[1])); \
+        const __m256 u1 = OP(_mm256_unpacklo_ps(v[2], v[3]), _mm256_unpackhi_ps(v[2], v[3])); \
+        const __m256 w = OP(_mm256_shuffle_ps(u0, u1, 0x44), _mm256_shuffle_ps(u0, u1, 0xEE)); \
+        return OP(w, _mm256_permute2f128_ps(w, w, 0x01));                                     \
+    }
+DEFINE_REDUCE_ROWS(reduce_rows_max, _mm256_max_ps)
+DEFINE_REDUCE_ROWS(reduce_rows_add, _mm256_add_ps)
 
 /* K of head g as [ctx_pad/8][D][8], V as [ctx_pad][D]; zeros past ctx. */
 static void pack(const float *k_pool, const float *v_pool, const int64_t *slots, int64_t ctx, int64_t ctx_pad,
@@ -74,41 +77,61 @@ static void pack(const float *k_pool, const float *v_pool, const int64_t *slots,
     }
 }
 
-/* One online-softmax step of one row over a BLOCK-key block: s[0], s[1] hold its raw scores
- * (keys j0.., j0+8..); probs gets exp(score * scale - new max), exactly 0 for keys past the
- * row (``visible`` keys of the block are its own); *m, *l the running max and sum; returns the
- * factor the row's accumulators must be scaled by. */
-static inline float softmax_row(__m256 s[2], int64_t visible, float scale, float *m, float *l, float *probs) {
+/* One online-softmax step of the tile's rows over a BLOCK-key block: s[r][0], s[r][1] hold row
+ * r's raw scores (keys j0.., j0+8..); probs[r] gets exp(score * scale - new max), exactly 0 for
+ * keys past the row's position last[r]; *m, *l hold the rows' running maxima and sums (row r in
+ * lane r), corr[r] the factor row r's accumulators must be scaled by (exactly 1 where the block is
+ * wholly past the row). The rows' reductions and factors go through the same instructions
+ * together. */
+static inline void softmax_rows(__m256 s[ROWS][2], const int64_t *last, int64_t j0, float scale, __m256 *m,
+                                __m256 *l, float probs[ROWS][BLOCK], float corr[ROWS], const int masked) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const int32_t seen = visible < 0 ? 0 : visible > BLOCK ? BLOCK : (int32_t)visible;
-    const __m256 lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(seen), lanes));
-    const __m256 hi = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(seen - LANES), lanes));
-    const __m256 minus_inf = _mm256_set1_ps(-INFINITY);
-    const __m256 a = _mm256_mul_ps(s[0], _mm256_set1_ps(scale)), b = _mm256_mul_ps(s[1], _mm256_set1_ps(scale));
-    const float top = hmax8(_mm256_max_ps(_mm256_blendv_ps(minus_inf, a, lo), _mm256_blendv_ps(minus_inf, b, hi)));
-    const float m_new = top > *m ? top : *m;
-    /* m - m_new <= 0; -inf - finite (the row's first block) clamps to -87: a factor of ~1e-38 on
+    const __m256 minus_inf = _mm256_set1_ps(-INFINITY), scales = _mm256_set1_ps(scale);
+    __m256 lo[ROWS], hi[ROWS], top[8], sum[8];
+    for (int r = ROWS; r < 8; ++r) top[r] = minus_inf, sum[r] = _mm256_setzero_ps();
+    for (int r = 0; r < ROWS; ++r) {
+        s[r][0] = _mm256_mul_ps(s[r][0], scales);
+        s[r][1] = _mm256_mul_ps(s[r][1], scales);
+        if (masked) { /* all ones where the block is wholly visible: the same bits as unmasked */
+            const int64_t visible = last[r] - j0 + 1;
+            const int32_t seen = visible < 0 ? 0 : visible > BLOCK ? BLOCK : (int32_t)visible;
+            lo[r] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(seen), lanes));
+            hi[r] = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(seen - LANES), lanes));
+            top[r] = _mm256_max_ps(_mm256_blendv_ps(minus_inf, s[r][0], lo[r]), _mm256_blendv_ps(minus_inf, s[r][1], hi[r]));
+        } else {
+            top[r] = _mm256_max_ps(s[r][0], s[r][1]);
+        }
+    }
+    const __m256 m_new = _mm256_max_ps(*m, _mm256_blend_ps(reduce_rows_max(top), reduce_rows_max(top + 4), 0xF0));
+    /* m - m_new <= 0; -inf - finite (a row's first block) clamps to -87: a factor of ~1e-38 on
      * accumulators that are still 0 */
-    const float factor = exp_clamped(*m - m_new);
-    const __m256 mv = _mm256_set1_ps(m_new);
-    const __m256 pa = _mm256_and_ps(lo, exp8_clamped(_mm256_sub_ps(a, mv)));
-    const __m256 pb = _mm256_and_ps(hi, exp8_clamped(_mm256_sub_ps(b, mv)));
-    _mm256_store_ps(probs, pa);
-    _mm256_store_ps(probs + LANES, pb);
-    *l = *l * factor + hsum8(_mm256_add_ps(pa, pb));
+    const __m256 factor = exp8_clamped(_mm256_sub_ps(*m, m_new));
+    float row_max[LANES] __attribute__((aligned(32)));
+    _mm256_store_ps(row_max, m_new);
+    for (int r = 0; r < ROWS; ++r) {
+        const __m256 mr = _mm256_broadcast_ss(row_max + r);
+        __m256 pa = exp8_clamped(_mm256_sub_ps(s[r][0], mr)), pb = exp8_clamped(_mm256_sub_ps(s[r][1], mr));
+        if (masked) pa = _mm256_and_ps(lo[r], pa), pb = _mm256_and_ps(hi[r], pb);
+        _mm256_store_ps(probs[r], pa);
+        _mm256_store_ps(probs[r] + LANES, pb);
+        sum[r] = _mm256_add_ps(pa, pb);
+    }
+    *l = _mm256_add_ps(_mm256_mul_ps(*l, factor), _mm256_blend_ps(reduce_rows_add(sum), reduce_rows_add(sum + 4), 0xF0));
     *m = m_new;
-    return factor;
+    float factors[LANES] __attribute__((aligned(32)));
+    _mm256_store_ps(factors, factor);
+    for (int r = 0; r < ROWS; ++r) corr[r] = factors[r];
 }
 
 /* ROWS query rows (nr of them real: the rest repeat row 0 and are not written) of one head. */
 static void tile(const float *const *q_rows, const int64_t *last, int nr, int64_t dim, const float *kt,
                  const float *vv, float scale, float *const *out_rows) {
     float acc[ROWS][MAX_DIM] __attribute__((aligned(32))) = {{0}};
-    float m[ROWS], l[ROWS];
-    int64_t reach = 0;
+    __m256 m = _mm256_set1_ps(-INFINITY), l = _mm256_setzero_ps();
+    int64_t reach = 0, seen_by_all = INT64_MAX; /* keys [0, seen_by_all) are visible to every row */
     for (int r = 0; r < ROWS; ++r) {
-        m[r] = -INFINITY, l[r] = 0.0f;
         if (last[r] + 1 > reach) reach = last[r] + 1;
+        if (last[r] + 1 < seen_by_all) seen_by_all = last[r] + 1;
     }
     for (int64_t j0 = 0; j0 < reach; j0 += BLOCK) {
         __m256 s[ROWS][2];
@@ -116,6 +139,7 @@ static void tile(const float *const *q_rows, const int64_t *last, int nr, int64_
         const float *k0 = kt + j0 * dim, *k1 = k0 + LANES * dim;
         for (int64_t d = 0; d < dim; ++d) {
             const __m256 a = _mm256_load_ps(k0 + d * LANES), b = _mm256_load_ps(k1 + d * LANES);
+#pragma GCC unroll 8
             for (int r = 0; r < ROWS; ++r) {
                 const __m256 qd = _mm256_broadcast_ss(q_rows[r] + d);
                 s[r][0] = _mm256_fmadd_ps(a, qd, s[r][0]);
@@ -123,7 +147,10 @@ static void tile(const float *const *q_rows, const int64_t *last, int nr, int64_
             }
         }
         float probs[ROWS][BLOCK] __attribute__((aligned(32))), corr[ROWS];
-        for (int r = 0; r < ROWS; ++r) corr[r] = softmax_row(s[r], last[r] - j0 + 1, scale, &m[r], &l[r], probs[r]);
+        if (j0 + BLOCK <= seen_by_all)
+            softmax_rows(s, last, j0, scale, &m, &l, probs, corr, 0);
+        else
+            softmax_rows(s, last, j0, scale, &m, &l, probs, corr, 1);
         for (int64_t c0 = 0; c0 < dim; c0 += CHUNK) {
             __m256 o[ROWS][2];
             for (int r = 0; r < ROWS; ++r) {
@@ -134,6 +161,7 @@ static void tile(const float *const *q_rows, const int64_t *last, int nr, int64_
             for (int j = 0; j < BLOCK; ++j) {
                 const float *vrow = vv + (j0 + j) * dim + c0;
                 const __m256 v0 = _mm256_loadu_ps(vrow), v1 = _mm256_loadu_ps(vrow + LANES);
+#pragma GCC unroll 8
                 for (int r = 0; r < ROWS; ++r) {
                     const __m256 p = _mm256_broadcast_ss(probs[r] + j);
                     o[r][0] = _mm256_fmadd_ps(v0, p, o[r][0]);
@@ -146,8 +174,10 @@ static void tile(const float *const *q_rows, const int64_t *last, int nr, int64_
             }
         }
     }
+    float sums[LANES] __attribute__((aligned(32)));
+    _mm256_store_ps(sums, l);
     for (int r = 0; r < nr; ++r) {
-        const __m256 inv = _mm256_set1_ps(1.0f / l[r]);
+        const __m256 inv = _mm256_set1_ps(1.0f / sums[r]);
         for (int64_t c = 0; c < dim; c += LANES)
             _mm256_storeu_ps(out_rows[r] + c, _mm256_mul_ps(_mm256_load_ps(acc[r] + c), inv));
     }
