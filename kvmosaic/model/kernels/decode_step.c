@@ -145,9 +145,8 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, const uint16_t *x, int6
  * slot_mapping [batch]: where each token's K/V goes; ctx_slots [batch, max_len] and lens [batch]:
  * each sequence's context, the new token last.
  * bf16: 1 for bfloat16, 0 for float32.
- * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for bfloat16), -3
- * out of memory; with
- * batch 0 it only answers whether it serves the shapes. */
+ * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for
+ * bfloat16), -3 out of memory; with batch 0 it only answers whether it serves the shapes. */
 int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t inter, int64_t heads,
                 int64_t kv_heads, int64_t dim, float eps, float scale, void *stream, const float *cos,
                 const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots, const int64_t *lens,
