@@ -1,7 +1,7 @@
 /* Causal prefill attention in float32 on CPUs with AVX2 and FMA but no AVX-512: what
  * prefill_attention_f32 (prefill_attention.c) calls there, with its contract and invariants, on
  * 8-lane vectors and 16 registers. On an AVX2 AMD EPYC (Zen 3) torch's float32 flash kernel ran
- * the shipped model's 745-token prefill at 7-26 GFLOP/s a layer, this kernel at ~75 (two threads;
+ * the shipped model's 745-token prefill at 7-26 GFLOP/s a layer, this kernel at ~100-110 (two threads;
  * docs/ARCHITECTURE.md, "Prefill attention").
  *
  * Each KV head's context is repacked once for all its query heads: K as [8-key tiles][D][8] (a
@@ -9,7 +9,7 @@
  * over blocks of BLOCK keys: the rows' scores by FMA (the K vector loaded once for all rows), the
  * softmax's reductions and rescaling factors for the rows together, and P.V in passes of CHUNK output dimensions whose accumulators stay in
  * registers for the block (16 ymm registers do not hold a row's 64 accumulators, let alone
- * four rows'), P kept in float32 as torch's float32 flash kernel keeps it.
+ * six rows'), P kept in float32 as torch's float32 flash kernel keeps it.
  *
  * Invariants, as in prefill_attention.c: a query row's result depends only on its own query, its
  * position and the context up to it. Every row runs the same operations in the same order over
@@ -27,8 +27,9 @@
 
 #define LANES 8
 #define BLOCK 16   /* keys per online-softmax step: two 8-lane score vectors per row */
-#define ROWS 4     /* query rows per tile (<= 8): 8 score registers, each K vector loaded once for all
-                    * (6 rows, 12 registers, measured slower: the softmax's masks and exps spill) */
+#define ROWS 6     /* query rows per tile (<= 8): 12 score registers, 2 for K, 1 for the broadcast
+                    * query element; the scores go to memory for the softmax, which would spill them.
+                    * 745 tokens, two threads: 8.1 ms with 4 rows, 5.7-6.3 ms with 6 (measured) */
 #define CHUNK 16   /* output dimensions per P.V pass: ROWS x 2 accumulators in registers */
 #define MAX_DIM 128
 
@@ -77,21 +78,22 @@ static void pack(const float *k_pool, const float *v_pool, const int64_t *slots,
     }
 }
 
-/* One online-softmax step of the tile's rows over a BLOCK-key block: s[r][0], s[r][1] hold row
- * r's raw scores (keys j0.., j0+8..); probs[r] gets exp(score * scale - new max), exactly 0 for
+/* One online-softmax step of the tile's rows over a BLOCK-key block: probs[r] holds row r's raw
+ * scores (keys j0..j0+15) and gets exp(score * scale - new max) in their place, exactly 0 for
  * keys past the row's position last[r]; *m, *l hold the rows' running maxima and sums (row r in
  * lane r), corr[r] the factor row r's accumulators must be scaled by (exactly 1 where the block is
  * wholly past the row). The rows' reductions and factors go through the same instructions
  * together. */
-static inline void softmax_rows(__m256 s[ROWS][2], const int64_t *last, int64_t j0, float scale, __m256 *m,
+static inline void softmax_rows(const int64_t *last, int64_t j0, float scale, __m256 *m,
                                 __m256 *l, float probs[ROWS][BLOCK], float corr[ROWS], const int masked) {
     const __m256i lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
     const __m256 minus_inf = _mm256_set1_ps(-INFINITY), scales = _mm256_set1_ps(scale);
     __m256 lo[ROWS], hi[ROWS], top[8], sum[8];
     for (int r = ROWS; r < 8; ++r) top[r] = minus_inf, sum[r] = _mm256_setzero_ps();
+    __m256 s[ROWS][2];
     for (int r = 0; r < ROWS; ++r) {
-        s[r][0] = _mm256_mul_ps(s[r][0], scales);
-        s[r][1] = _mm256_mul_ps(s[r][1], scales);
+        s[r][0] = _mm256_mul_ps(_mm256_load_ps(probs[r]), scales);
+        s[r][1] = _mm256_mul_ps(_mm256_load_ps(probs[r] + LANES), scales);
         if (masked) { /* all ones where the block is wholly visible: the same bits as unmasked */
             const int64_t visible = last[r] - j0 + 1;
             const int32_t seen = visible < 0 ? 0 : visible > BLOCK ? BLOCK : (int32_t)visible;
@@ -147,10 +149,14 @@ static void tile(const float *const *q_rows, const int64_t *last, int nr, int64_
             }
         }
         float probs[ROWS][BLOCK] __attribute__((aligned(32))), corr[ROWS];
+        for (int r = 0; r < ROWS; ++r) {
+            _mm256_store_ps(probs[r], s[r][0]);
+            _mm256_store_ps(probs[r] + LANES, s[r][1]);
+        }
         if (j0 + BLOCK <= seen_by_all)
-            softmax_rows(s, last, j0, scale, &m, &l, probs, corr, 0);
+            softmax_rows(last, j0, scale, &m, &l, probs, corr, 0);
         else
-            softmax_rows(s, last, j0, scale, &m, &l, probs, corr, 1);
+            softmax_rows(last, j0, scale, &m, &l, probs, corr, 1);
         for (int64_t c0 = 0; c0 < dim; c0 += CHUNK) {
             __m256 o[ROWS][2];
             for (int r = 0; r < ROWS; ++r) {
