@@ -121,8 +121,9 @@ def test_model_logits_with_and_without_the_kernels(dtype, monkeypatch):
     monkeypatch.setattr(kernels, "available", lambda q, k: False)
     off = run()
     # bfloat16 logits of 16-32 are multiples of 0.125; one rounding that falls the other way
-    # (float32 summation order) moves a few of them by a few steps after 30 layers
-    tol = 1e-4 if dtype == torch.float32 else 1.0
+    # (float32 summation order) moves a few of them by a few steps after 30 layers. float32:
+    # largest measured 1.08e-4 on an AVX2 EPYC (logits of ~10-20: a relative 1e-5)
+    tol = 2e-4 if dtype == torch.float32 else 1.0
     for a, b in zip(on, off):
         assert (a - b).abs().max().item() < tol
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
