@@ -35,7 +35,8 @@ FUSED_LOGIT_TOL = {"bfloat16": 1.25, "float32": 2e-4}
 def _fused_llm(dtype: str = "bfloat16", **kwargs):
     llm = make_llm(dtype=dtype, **kwargs)
     if FusedDecode.for_model(llm.engine.model) is None:
-        pytest.skip(f"no fused decode step on this CPU in {dtype} (needs AVX-512, or AVX2 with KVMOSAIC_FUSED_DECODE=1; AVX512-BF16 for bfloat16)")
+        pytest.skip(f"no fused decode step on this CPU in {dtype} "
+                    "(needs AVX-512, or AVX2 with KVMOSAIC_FUSED_DECODE=1; AVX512-BF16 for bfloat16)")
     return llm
 
 
