@@ -7,11 +7,12 @@
 * A row's result does not depend on the rest of the batch: bit for bit the same alone.
 * It declines what it does not compute (quantized weights, prefills in the step, cascade groups,
   ``KVMOSAIC_FUSED_DECODE=0``), and those steps run layer by layer.
-* Both dtypes: bfloat16 (AVX512-BF16) and float32 (AVX-512).
+* Both dtypes: bfloat16 (AVX512-BF16) and float32 (AVX-512, or AVX2 with FMA).
 """
 
 from __future__ import annotations
 
+import copy
 import statistics
 
 import pytest
@@ -35,8 +36,7 @@ FUSED_LOGIT_TOL = {"bfloat16": 1.25, "float32": 2e-4}
 def _fused_llm(dtype: str = "bfloat16", **kwargs):
     llm = make_llm(dtype=dtype, **kwargs)
     if FusedDecode.for_model(llm.engine.model) is None:
-        pytest.skip(f"no fused decode step on this CPU in {dtype} "
-                    "(needs AVX-512, or AVX2 with KVMOSAIC_FUSED_DECODE=1; AVX512-BF16 for bfloat16)")
+        pytest.skip(f"no fused decode step on this CPU in {dtype} (needs AVX-512 or AVX2 with FMA; AVX512-BF16 for bfloat16)")
     return llm
 
 
@@ -184,3 +184,40 @@ def test_steps_with_prefills_or_cascade_groups_run_layer_by_layer(monkeypatch):
     assert any(cascade for _, _, cascade in seen), "the workload had steps with cascade groups"
     assert any(prefills for _, prefills, _ in seen)
     assert not any(served and (prefills or cascade) for served, prefills, cascade in seen)
+
+
+def test_follows_the_pool_it_is_given_when_another_pool_shares_its_first_address(monkeypatch):
+    """The model (and its fused step) is shared by a process's engines, so a new engine's pool can
+    begin where a freed one began, with its other layers elsewhere (another size). The step must
+    read and write the pool of this call: a cache keyed on the first layer's address alone wrote
+    the new token's K/V into the freed pool's layers (a CI run: one cache-on request decoded a
+    repeated token after a correct first one)."""
+    llm = _fused_llm("float32", num_kv_blocks=64)
+    model = llm.engine.model
+    checked = []
+    decide = model.fused_decode
+
+    def check_pools(kv, meta):
+        fused = decide(kv, meta)
+        if fused is None:
+            return None
+
+        def call(x, positions, kv, meta):
+            other = copy.copy(kv)  # layer 0 the same tensors, the others copies at other addresses
+            other.k = kv.k[:1] + [t.clone() for t in kv.k[1:]]
+            other.v = kv.v[:1] + [t.clone() for t in kv.v[1:]]
+            out = fused(x, positions, kv, meta)
+            again = fused(x, positions, other, meta)
+            slots = meta.slot_mapping
+            for layer in range(1, len(kv.k)):
+                assert torch.equal(other.k[layer][slots], kv.k[layer][slots]), f"layer {layer}'s K went elsewhere"
+                assert torch.equal(other.v[layer][slots], kv.v[layer][slots]), f"layer {layer}'s V went elsewhere"
+            assert torch.equal(out, again)
+            checked.append(x.shape[0])
+            return out
+        call.logits = fused.logits
+        return call
+
+    monkeypatch.setattr(model, "fused_decode", check_pools)
+    llm.generate(_prompts(llm.tokenizer)[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    assert checked

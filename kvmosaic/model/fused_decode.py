@@ -57,19 +57,13 @@ class FusedDecode:
         self.shape = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim)
         self.eps, self.scale = float(cfg.rms_norm_eps), float(model.layers[0].scale)
-        self._pointers: tuple[int, ctypes.Array] | None = None  # (pool address, layer pointers)
+        self._pointers: tuple[tuple[int, ...], ctypes.Array] | None = None  # (pool addresses, layer pointers)
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedDecode | None:
         from .llama import DecoderLayer, RMSNorm
 
-        switch = os.environ.get("KVMOSAIC_FUSED_DECODE", "auto")
-        if switch == "0" or kernels.decode_step_library() is None:
-            return None
-        # On AVX2-only CPUs opt-in (KVMOSAIC_FUSED_DECODE=1): a fresh-clone CI run there saw one
-        # cache-on/off comparison decode a repeated token after a correct first token, not yet
-        # explained (BENCHMARKS.md, issue 26, 2026-11-26).
-        if switch != "1" and "AVX512" not in torch.backends.cpu.get_cpu_capability():
+        if os.environ.get("KVMOSAIC_FUSED_DECODE", "1") == "0" or kernels.decode_step_library() is None:
             return None
         cfg = model.config
         if cfg.traits.activation != "silu" or cfg.traits.final_softcap is not None or len(model.rotaries) != 1 \
@@ -103,10 +97,13 @@ class FusedDecode:
                 and kv.k[0].dtype == self.dtype and kv.k[0].is_contiguous())
 
     def _layer_pointers(self, kv: PagedKV) -> ctypes.Array:
-        address = kv.k[0].data_ptr()
-        if self._pointers is None or self._pointers[0] != address:
+        """The C function's per-layer pointers for this pool, rebuilt when any layer's K or V moved.
+        Keyed on every layer's addresses: the model is shared by a process's engines, and a new
+        engine's pool can begin where a freed one of another size began (tests/test_fused_decode.py)."""
+        addresses = tuple(t.data_ptr() for pair in zip(kv.k, kv.v) for t in pair)
+        if self._pointers is None or self._pointers[0] != addresses:
             flat = [t.data_ptr() for layer, (k, v) in zip(self.weights, zip(kv.k, kv.v)) for t in (*layer, k, v)]
-            self._pointers = (address, (ctypes.c_void_p * len(flat))(*flat))
+            self._pointers = (addresses, (ctypes.c_void_p * len(flat))(*flat))
         return self._pointers[1]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor | None:
