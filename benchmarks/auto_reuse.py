@@ -210,7 +210,7 @@ def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
         k = kl(ref_lp, lp)
         prefix = h.run(False, r.prompt, r.warm, max_tokens)
         auto = h.run(True, r.prompt, r.warm, max_tokens)
-        a = auto.auto_reuse or {"tokens": 0, "drift": None, "fallback": False}
+        a = auto.auto_reuse or {"tokens": 0, "drift": None, "fallback": False, "repaired": 0}
         doc_tokens = sum(len(h.ids(d)) for d in r.docs)
         st.add(ttft_full=full.metrics["ttft"], ttft_prefix=prefix.metrics["ttft"], ttft_auto=auto.metrics["ttft"],
                kl_first=float(k[0]), kl_mean=float(k.mean()),
@@ -219,13 +219,15 @@ def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
                reused=a["tokens"], prompt=len(auto.prompt_token_ids), cached=auto.num_cached_tokens,
                doc_share=a["tokens"] / doc_tokens if doc_tokens else float("nan"),
                fallback=float(a["fallback"]), drift=a["drift"] if a["drift"] is not None else 0.0,
+               repaired=a["repaired"],
                forced_drift=res.drift, forced_drift_attn=res.drift_attn, forced_fallback=float(verdict.fell_back),
                bad_answered=float(not verdict.fell_back and verdict.num_reused_tokens > 0
                                   and float(k.mean()) > h.engine.config.auto_reuse_max_drift),
                acc_full=float(r.answer.lower() in full.text.lower()) if r.answer else float("nan"),
                acc_auto=float(r.answer.lower() in auto.text.lower()) if r.answer else float("nan"))
         print(f"{label} {i + 1}/{len(reqs)}: prompt {len(auto.prompt_token_ids)}, prefix hit {prefix.num_cached_tokens}, "
-              f"auto reused {a['tokens']} (drift {a['drift']}, fallback {a['fallback']}), KL mean {float(k.mean()):.4f} "
+              f"auto reused {a['tokens']} (drift {a['drift']}, fallback {a['fallback']}, repaired {a['repaired']}), "
+              f"KL mean {float(k.mean()):.4f} "
               f"(forced: drift {res.drift:.4f}, attention-weighted {res.drift_attn:.5f}), "
               f"TTFT full/prefix/auto {full.metrics['ttft']:.2f}/{prefix.metrics['ttft']:.2f}/"
               f"{auto.metrics['ttft']:.2f} s", flush=True)
@@ -251,8 +253,8 @@ def no_reuse(h: Harness, rounds: int, batch: int, rng: random.Random) -> tuple[f
 def table(results: dict[str, Stats], thr: tuple[float, float]) -> str:
     lines = ["| workload | requests | prompt tokens (mean) | prefix hit (mean) | auto reused (mean) | doc tokens reused "
              "| TTFT full / prefix / auto, s (p50) | auto vs prefix | KL first / mean | greedy agreement (tokens; "
-             "requests all equal) | accuracy full / auto | fallbacks | drift est. (mean) | answered from reuse "
-             "with KL mean > the bound |", "|" + "---|" * 14]
+             "requests all equal) | accuracy full / auto | fallbacks | repairs (requests; tokens, mean) "
+             "| drift est. (mean) | answered from reuse with KL mean > the bound |", "|" + "---|" * 15]
     for name, s in results.items():
         n = len(s.rows["kl_mean"])
         lines.append(
@@ -261,7 +263,8 @@ def table(results: dict[str, Stats], thr: tuple[float, float]) -> str:
             f"{s.median('ttft_auto'):.2f} | {s.median('ttft_prefix') / s.median('ttft_auto'):.2f}x | "
             f"{s.mean('kl_first'):.4f} / {s.mean('kl_mean'):.4f} | {s.mean('agree_tokens'):.2f}; "
             f"{s.mean('agree_all'):.0%} | {s.mean('acc_full'):.2f} / {s.mean('acc_auto'):.2f} | "
-            f"{sum(s.rows['fallback']):.0f} | {s.mean('drift'):.4f} | {sum(s.rows['bad_answered']):.0f} |")
+            f"{sum(s.rows['fallback']):.0f} | {sum(r > 0 for r in s.rows['repaired'])}; {s.mean('repaired'):.1f} | "
+            f"{s.mean('drift'):.4f} | {sum(s.rows['bad_answered']):.0f} |")
     off, on = thr
     lines.append(f"\nno-reuse throughput, auto off / on: {off:.0f} / {on:.0f} tok/s (ratio {on / off:.3f})")
     return "\n".join(lines)

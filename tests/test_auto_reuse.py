@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -51,7 +53,7 @@ def logprobs(out) -> torch.Tensor:
 def test_reordered_documents_are_found_without_markup(llm, plain):
     llm.engine.segment_reuse.store.clear()
     first = run(llm, text(DOCS))
-    assert first.auto_reuse == {"tokens": 0, "drift": None, "fallback": False}  # nothing stored yet
+    assert first.auto_reuse == {"tokens": 0, "drift": None, "fallback": False, "repaired": 0}  # nothing stored yet
     again = run(llm, text(DOCS[::-1]))
     reused = again.auto_reuse["tokens"]
     doc_tokens = sum(len(llm.tokenizer.encode(d, add_special_tokens=False)) for d in DOCS)
@@ -76,28 +78,44 @@ def test_no_reuse_across_namespaces(llm):
     assert same.auto_reuse["tokens"] > 0
 
 
-def test_guard_falls_back_to_full_prefill_beyond_the_bound(llm, plain):
+def reordered(llm, bound):
+    """The same store each time: the documents in order, then reversed under ``bound``."""
     llm.engine.segment_reuse.store.clear()
     run(llm, text(DOCS))
-    before = llm.engine.get_stats().auto_reuse_fallbacks
-    out = run(llm, text(DOCS[::-1]), drift=0.0)  # any drift is too much: the guard must recompute
-    assert out.auto_reuse["fallback"] and out.auto_reuse["tokens"] == 0 and out.auto_reuse["drift"] > 0
-    assert llm.engine.get_stats().auto_reuse_fallbacks == before + 1
+    return run(llm, text(DOCS[::-1]), drift=bound)
+
+
+def test_guard_repairs_the_most_deviating_tokens_until_the_bound_holds(llm, plain):
+    free = reordered(llm, 10.0).auto_reuse
+    assert free["repaired"] == 0 and free["drift"] > 0
+    stats = llm.engine.get_stats()
+    for bound in (free["drift"] * 0.99, free["drift"] * 0.5):
+        out = reordered(llm, bound).auto_reuse
+        assert not out["fallback"] and out["repaired"] > 0 and 0 < out["tokens"] < free["tokens"]
+        assert out["drift"] <= bound
+    after = llm.engine.get_stats()
+    assert after.auto_reuse_repairs == stats.auto_reuse_repairs + 2
+    assert after.auto_reuse_fallbacks == stats.auto_reuse_fallbacks
+    assert after.auto_reuse_repaired_tokens > stats.auto_reuse_repaired_tokens
+    # Any drift too much: every deviating reused token recomputed, answered as a full prefill.
+    out = reordered(llm, 0.0)
+    assert out.auto_reuse["drift"] == 0.0 and not out.auto_reuse["fallback"]
     ref = plain.generate(text(DOCS[::-1]), GREEDY)[0]
     assert out.token_ids == ref.token_ids
     torch.testing.assert_close(logprobs(out), logprobs(ref), atol=1e-4, rtol=0)
 
 
-def test_guard_bound_is_the_line_between_answered_and_recomputed(llm):
-    def reordered(bound):  # the same store each time: the documents in order, then reversed
-        llm.engine.segment_reuse.store.clear()
-        run(llm, text(DOCS))
-        return run(llm, text(DOCS[::-1]), drift=bound)
-
-    d = reordered(10.0).auto_reuse["drift"]
-    below, above = reordered(d * 1.01), reordered(d * 0.99)
-    assert not below.auto_reuse["fallback"] and below.auto_reuse["tokens"] > 0
-    assert above.auto_reuse["fallback"] and above.auto_reuse["tokens"] == 0
+def test_guard_falls_back_to_full_prefill_when_a_blend_ends_above_the_bound(llm, plain, monkeypatch):
+    sr = llm.engine.segment_reuse
+    options = sr.options
+    monkeypatch.setattr(sr, "options", lambda: dataclasses.replace(options(), max_drift=None))  # no repair
+    before = llm.engine.get_stats().auto_reuse_fallbacks
+    out = reordered(llm, 0.0)
+    assert out.auto_reuse["fallback"] and out.auto_reuse["tokens"] == 0 and out.auto_reuse["drift"] > 0
+    assert llm.engine.get_stats().auto_reuse_fallbacks == before + 1
+    ref = plain.generate(text(DOCS[::-1]), GREEDY)[0]
+    assert out.token_ids == ref.token_ids
+    torch.testing.assert_close(logprobs(out), logprobs(ref), atol=1e-4, rtol=0)
 
 
 def test_auto_on_without_hits_equals_off_bit_for_bit(llm, plain):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmosaic.blend.rope import rerotate
-from kvmosaic.blend.select import attention_weights, choose, deviation
+from kvmosaic.blend.select import attention_weights, choose, deviation, within_mean
 from kvmosaic.cache.hashing import CacheNamespace
 from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_seed
 from kvmosaic.model.families import Rope
@@ -98,6 +98,23 @@ def test_attention_weights_rank_what_the_answer_reads():
     assert choose(scores, threshold=0.6, weights=weights).tolist() == [1, 4]
     floored = choose(scores, ratio=1.0, floor=0.005, weights=attention_weights(torch.tensor([0, 0, 0, 1.0, 0])))
     assert floored.tolist() == [0, 1, 2, 4]
+
+
+def test_within_mean_takes_the_fewest_highest_scores_left():
+    """The guard's repair: beyond what was chosen, the highest scores left, as few as bring the
+    mean of the rest within the bound (the floor does not apply; nothing left: mean 0)."""
+    scores = torch.tensor([0.1, 0.9, 0.5, 0.004, 0.7])
+    chosen = torch.tensor([1])
+    assert within_mean(scores, chosen, 0.4).tolist() == []  # left 0.1, 0.5, 0.004, 0.7: mean 0.326
+    assert within_mean(scores, chosen, 0.3).tolist() == [4]  # 0.1, 0.5, 0.004: 0.201
+    assert within_mean(scores, chosen, 0.2).tolist() == [4, 2]  # 0.1, 0.004: 0.052
+    assert within_mean(scores, chosen, 0.0).tolist() == [4, 2, 0, 3]
+    assert within_mean(scores, torch.arange(5), 0.0).tolist() == []
+    for bound in (0.25, 0.05, 0.003):
+        extra = within_mean(scores, chosen, bound)
+        left = torch.ones(5, dtype=torch.bool)
+        left[torch.cat((chosen, extra))] = False
+        assert (scores[left].double().mean() if left.any() else 0.0) <= bound
 
 
 def test_deviation_is_relative():

@@ -53,6 +53,9 @@ def test_reordered_documents_are_reused_for_their_tenant_only(server):
     assert again["auto_reuse_fallback"] is False
     assert metric(server, "kvmosaic:auto_reuse_tokens_total") >= again["auto_reused_tokens"]
     assert metric(server, "kvmosaic:auto_reuse_fallbacks_total") == 0
+    repaired = again["auto_reuse_repaired_tokens"]  # recomputed beyond the ratio to meet the guard's bound
+    assert repaired >= 0 and metric(server, "kvmosaic:auto_reuse_repaired_tokens_total") == repaired
+    assert metric(server, "kvmosaic:auto_reuse_repairs_total") == (repaired > 0)
     health = httpx.get(server.url + "/health", headers={"Authorization": "Bearer admin-key"}, timeout=30).json()
     assert health["kv"]["num_used_blocks"] == 0
 

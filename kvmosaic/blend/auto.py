@@ -15,8 +15,9 @@ prompt, with no markup.
   tokens recomputed); otherwise it runs as an ordinary prefill, bit for bit as with auto off.
   A prompt that differs from a cached one early (a timestamp) is the same mechanism at shift
   0: its later chunks are found at their own positions and repaired (item 2).
-* **Guard.** ``blend/guard.py`` bounds the drift estimate per request and falls back to a
-  full prefill of the uncertain part.
+* **Guard.** ``blend/guard.py`` bounds the drift estimate per request: the blend recomputes
+  the most deviating reused tokens until the estimate is within the bound, and a result still
+  above it falls back to a full prefill of the uncertain part.
 
 Invariants: nothing is stored or looked up across namespaces (the store's key holds the cache
 salt and adapter); chunks are stored only from KV this engine computed for them (exact, or
@@ -60,6 +61,8 @@ class AutoStats:
     requests: int = 0  # prompts answered with automatically reused KV
     tokens: int = 0  # reused tokens kept in those prompts' KV
     fallbacks: int = 0  # prompts the guard sent back to a full prefill of the uncertain part
+    repairs: int = 0  # prompts whose recompute grew beyond the ratio to meet the guard's bound
+    repaired_tokens: int = 0  # the reused tokens so recomputed
     stored_chunks: int = 0
 
 
@@ -70,6 +73,7 @@ class AutoResult:
     drift: float
     fell_back: bool
     exact_until: int
+    num_repaired_tokens: int  # recomputed beyond the ratio to meet the bound (guard.py)
 
 
 class AutoReuse:
@@ -95,6 +99,9 @@ class AutoReuse:
         last = [len(token_ids) - 1]
         res = self.blender.prefill(token_ids, spans, slots, start, opts, salt, adapter, last)
         verdict = guard(self.blender.model, self.blender.kv, token_ids, slots, res, bound, last)
+        if res.num_repaired_tokens:
+            self.stats.repairs += 1
+            self.stats.repaired_tokens += res.num_repaired_tokens
         if verdict.fell_back:
             self.stats.fallbacks += 1
         elif verdict.num_reused_tokens:
@@ -102,7 +109,7 @@ class AutoReuse:
             self.stats.tokens += verdict.num_reused_tokens
         self.harvest(token_ids, slots, salt, adapter)
         return AutoResult(verdict.logits, verdict.num_reused_tokens, verdict.drift, verdict.fell_back,
-                          verdict.exact_until)
+                          verdict.exact_until, res.num_repaired_tokens)
 
     def harvest(self, token_ids: list[int], slots: torch.Tensor, salt: str | None, adapter: str | None) -> int:
         """Store the chunks of a prompt whose KV is complete at ``slots`` that the store lacks

@@ -34,7 +34,7 @@ from ..model.llama import LlamaForCausalLM
 from .forward import Picker, blend_forward
 from .prompt import SegmentSpan
 from .rope import rerotate
-from .select import attention_weights, choose
+from .select import attention_weights, choose, within_mean
 from .store import SegmentKVStore
 
 MODES = ("off", "shift", "blend", "auto")  # auto: blend, and chunks found without markup (auto.py)
@@ -58,6 +58,9 @@ class BlendOptions:
     # context is where the attention it draws is off most; one that still continues the same
     # text, as the later chunks of a moved document do, is not).
     head: int = 0
+    # The guard's bound (auto reuse): beyond the ratio, recompute the most deviating reused tokens
+    # until the mean deviation of those kept (BlendResult.drift) is at most this (None: no bound)
+    max_drift: float | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -70,6 +73,8 @@ class BlendOptions:
             raise ValueError(f"blend_check_layer must be at least 1, got {self.check_layer}")
         if self.head < 0:
             raise ValueError(f"blend_head_tokens must be non-negative, got {self.head}")
+        if self.max_drift is not None and not self.max_drift >= 0:
+            raise ValueError(f"auto_reuse_max_drift must be non-negative, got {self.max_drift}")
         if self.selection not in SELECTIONS:
             raise ValueError(f"blend selection must be one of {SELECTIONS}, got {self.selection!r}")
 
@@ -88,15 +93,23 @@ class BlendResult:
     # The same deviations weighted by the last prompt token's attention to them at the check
     # layer (sum over the kept tokens): how much of what the answer reads is off.
     drift_attn: float = 0.0
+    # Reused tokens recomputed beyond the ratio to bring ``drift`` within ``BlendOptions.max_drift``
+    num_repaired_tokens: int = 0
 
 
-def picker(opts: BlendOptions) -> Picker:
-    """The recompute choice ``opts`` asks for (blend/select.py)."""
+def picker(opts: BlendOptions, repaired: list[int]) -> Picker:
+    """The recompute choice ``opts`` asks for (blend/select.py); appends to ``repaired`` how many
+    tokens the bound added to it."""
     gen = torch.Generator().manual_seed(opts.seed)
 
     def pick(scores: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         weights = attention_weights(attention) if opts.selection == "attention" else None
-        return choose(scores, opts.ratio, opts.threshold, opts.selection == "random", gen, opts.floor, weights)
+        idx = choose(scores, opts.ratio, opts.threshold, opts.selection == "random", gen, opts.floor, weights)
+        if opts.max_drift is None:
+            return idx
+        extra = within_mean(scores.float().cpu(), idx, opts.max_drift)
+        repaired.append(extra.numel())
+        return torch.cat((idx, extra)).sort().values
 
     return pick
 
@@ -137,7 +150,8 @@ class Blender:
                 if entry.left != self.store.left_digest(token_ids, span.start):  # None: not known, moved
                     reused[max(span.start, start) : min(span.start + opts.head, span.end)] = False
         reused[positions] = False
-        pick = picker(opts) if opts.mode in ("blend", "auto") and reused.any() else None
+        repaired: list[int] = []
+        pick = picker(opts, repaired) if opts.mode in ("blend", "auto") and reused.any() else None
         out = blend_forward(self.model, self.kv, ids, slots, start, reused, torch.tensor(positions), pick,
                             opts.check_layer)
         stored = 0
@@ -149,10 +163,10 @@ class Blender:
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()
         scored = out.deviation is not None and bool(kept.any())
-        drift = float(out.deviation[kept].mean()) if scored else 0.0
+        drift = float(out.deviation[kept].double().mean()) if scored else 0.0
         drift_attn = float((out.deviation * out.attention)[kept].sum()) if scored else 0.0
         return BlendResult(out.logits, int(kept.sum()), stored, int((reused & out.recomputed).sum()),
-                           int(inexact[0]) if inexact.numel() else n, drift, drift_attn)
+                           int(inexact[0]) if inexact.numel() else n, drift, drift_attn, sum(repaired))
 
     # ---- steps ---------------------------------------------------------------------------
     def _read(self, slots: torch.Tensor) -> torch.Tensor:

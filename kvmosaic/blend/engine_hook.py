@@ -74,7 +74,8 @@ class SegmentReuse:
         auto = c.segment_reuse == "auto"
         selection = c.blend_selection or ("attention" if auto else "deviation")  # see EngineArgs.blend_selection
         return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, selection,
-                            floor=AUTO_FLOOR if auto else 0.0, head=c.blend_head_tokens)
+                            floor=AUTO_FLOOR if auto else 0.0, head=c.blend_head_tokens,
+                            max_drift=c.auto_reuse_max_drift if auto else None)
 
     def _auto_candidate(self, s, cache) -> bool:
         """Auto mode, on the step that admits an unmarked prompt: look its chunks up once."""
@@ -150,6 +151,7 @@ class SegmentReuse:
             res = self.auto.prefill(seq.all_token_ids, spans, slots, start, opts, self.config.auto_reuse_max_drift,
                                     seq.cache_salt, seq.adapter_id)
             seq.num_auto_tokens, seq.auto_drift, seq.auto_fallback = res.num_reused_tokens, res.drift, res.fell_back
+            seq.num_auto_repaired = res.num_repaired_tokens
             seq.cache_limit = max(start, res.exact_until)
             s.num_new_tokens = seq.num_tokens - start
             return res.logits

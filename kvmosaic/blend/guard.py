@@ -1,16 +1,21 @@
 """The per-request quality guard of automatic reuse (issue 24, item 3).
 
-Reused KV is approximate. Before a request is answered from it, the guard reads the drift
-estimate that the blend pass computed anyway (:attr:`BlendResult.drift`: the mean check-layer
-deviation score of the reused tokens that were kept, i.e. how far their KV is from what this
-context gives them, after repair) and, when it exceeds the bound, computes the uncertain part
-again in full: every position from the first kept reused token (``exact_until``) on, attending
-to the exact KV before it. That is exactly a prefill of those positions, so a request that
-fell back is answered as a full prefill would answer it (tested: ``tests/test_auto_reuse.py``).
+Reused KV is approximate. The drift estimate is what the blend pass computes anyway
+(:attr:`BlendResult.drift`: the mean check-layer deviation score of the reused tokens kept, i.e.
+how far their KV is from what this context gives them). The bound acts twice:
+
+1. **Repair, in the blend pass**: with ``BlendOptions.max_drift`` set (auto reuse sets it to the
+   bound), the selection recomputes, beyond the ratio, the most deviating reused tokens, as few as
+   bring the estimate of those kept within the bound (``select.within_mean``): the uncertain part
+   is computed in full and the rest stays reused. A request that a bound-free blend would have
+   answered above the bound costs a few more recomputed tokens, not a second prefill.
+2. **Fallback, here**: a result still above the bound (a blend without scores or without the
+   bound) is computed again in full from the first kept reused token (``exact_until``) on,
+   attending to the exact KV before it: exactly a prefill of those positions, so it answers as a
+   full prefill would (tested: ``tests/test_auto_reuse.py``).
 
 Invariant: a request answered from reused KV has ``drift <= bound``; one that was not has
 ``fell_back`` set and no reused token left in its KV (``exact_until == len(prompt)``).
-The estimate costs nothing extra; the fallback costs a prefill of the uncertain part.
 """
 
 from __future__ import annotations

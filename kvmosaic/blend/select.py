@@ -46,17 +46,39 @@ def choose(
         count = min(n, math.ceil((ratio or 0.0) * n - 1e-9))
         if floor > 0:
             count = min(count, int((scores > floor).sum()))
+    plain = scores.float().cpu()
     if count == 0:
-        return torch.empty(0, dtype=torch.long)
-    if random:
+        idx = torch.empty(0, dtype=torch.long)
+    elif random:
         idx = torch.randperm(n, generator=generator)[:count]
     else:
-        plain = scores.float().cpu()
         ranked = plain if weights is None else plain * weights.float().cpu()
         if floor > 0 and weights is not None:
             ranked[plain <= floor] = -1.0  # never above a token past the floor
         idx = torch.topk(ranked, count).indices
     return idx.sort().values
+
+
+def within_mean(scores: torch.Tensor, chosen: torch.Tensor, max_mean: float) -> torch.Tensor:
+    """The fewest further indices (highest scores first, whatever the floor) whose choice leaves the
+    tokens not chosen with a mean score of at most ``max_mean`` (none left: mean 0): the auto-reuse
+    guard's repair (blend/guard.py)."""
+    left = torch.ones(scores.numel(), dtype=torch.bool)
+    left[chosen] = False
+    order = torch.nonzero(left).squeeze(1)
+    order = order[torch.argsort(scores[order], descending=True, stable=True)]
+    # remaining[j]: the mean of what is left after taking the first j of ``order``, in float64
+    ranked = scores[order].double()
+    total, m = ranked.sum(), ranked.numel()
+    taken = torch.cat((torch.zeros(1, dtype=torch.float64), ranked.cumsum(0)))
+    count = torch.arange(m, -1, -1, dtype=torch.float64).clamp_min(1)
+    remaining = (total - taken) / count
+    remaining[m] = 0.0
+    j = int(torch.nonzero(remaining <= max_mean)[0])
+    # the mean the caller reports (BlendResult.drift: float64, in position order) must agree
+    while j < m and float(scores[order[j:].sort().values].double().mean()) > max_mean:
+        j += 1
+    return order[:j]
 
 
 def attention_weights(attention: torch.Tensor) -> torch.Tensor:

@@ -164,10 +164,10 @@ class EngineArgs(CliArgs):
     segment_reuse: str = option("off", "reuse the KV of marked segments at any position (completions' "
                                        "`segments` field); auto: blend, and also find shared chunks of any "
                                        "prompt without markup (kvmosaic/blend/auto.py)", choices=SEGMENT_REUSE_MODES)
-    auto_reuse_max_drift: float = option(0.03, "auto: a request whose drift estimate (mean check-layer deviation "
-                                               "of the reused tokens kept; about the mean KL to full prefill, "
-                                               "BENCHMARKS.md) exceeds this is recomputed from its first reused "
-                                               "token (the guard)", type=float)
+    auto_reuse_max_drift: float = option(0.03, "auto: the guard's bound on a request's drift estimate (mean "
+                                               "check-layer deviation of the reused tokens kept; about the mean KL "
+                                               "to full prefill, BENCHMARKS.md): the most deviating reused tokens "
+                                               "are recomputed until it holds", type=float)
     blend_ratio: float = option(0.15, "blend: fraction of reused segment tokens recomputed")
     blend_threshold: float | None = option(None, "blend: recompute tokens deviating more (overrides the ratio)",
                                            type=float)

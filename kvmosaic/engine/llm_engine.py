@@ -385,7 +385,8 @@ class LLMEngine:
         if st is None:
             return {}
         return {"auto_reuse_requests": st.requests, "auto_reuse_tokens": st.tokens,
-                "auto_reuse_fallbacks": st.fallbacks}
+                "auto_reuse_fallbacks": st.fallbacks, "auto_reuse_repairs": st.repairs,
+                "auto_reuse_repaired_tokens": st.repaired_tokens}
 
     def _slot_usage(self) -> dict[str, int]:
         """Slots of the blocks running requests hold, and how many hold a computed token (a

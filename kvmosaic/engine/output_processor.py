@@ -29,7 +29,8 @@ class RequestOutput:
     num_segment_tokens: int = 0
     # Automatic segment reuse (segment_reuse="auto"): None when the engine did not look for
     # chunks; else {"tokens": reused tokens kept, "drift": the guard's estimate (None when
-    # nothing was found), "fallback": whether the guard recomputed the uncertain part}.
+    # nothing was found), "fallback": whether the guard recomputed the uncertain part,
+    # "repaired": reused tokens recomputed beyond the ratio to meet the guard's bound}.
     auto_reuse: dict | None = None
     metrics: dict = field(default_factory=dict)
     # Set when the request failed (``finish_reason == "error"``): what went wrong, and a
@@ -104,7 +105,8 @@ class OutputProcessor:
             token_ids=list(seq.output_token_ids),
             num_cached_tokens=max(seq.num_cached_tokens, 0),
             num_segment_tokens=seq.num_segment_tokens,
-            auto_reuse=({"tokens": seq.num_auto_tokens, "drift": seq.auto_drift, "fallback": seq.auto_fallback}
+            auto_reuse=({"tokens": seq.num_auto_tokens, "drift": seq.auto_drift, "fallback": seq.auto_fallback,
+                         "repaired": seq.num_auto_repaired}
                         if seq.auto_checked else None),
             finished=seq.finished,
             finish_reason=seq.finish_reason,

@@ -61,12 +61,14 @@ class Sequence:
     cache_limit: int | None = None
     # Automatic segment reuse (segment_reuse="auto", blend/auto.py): whether the engine looked
     # for stored chunks (once, on the step that admits it), the chunks it found (to blend),
-    # tokens reused from them, the drift estimate and whether the guard fell back.
+    # tokens reused from them, the drift estimate, whether the guard fell back and how many
+    # reused tokens it had recomputed beyond the ratio to meet its bound.
     auto_checked: bool = False
     auto_spans: tuple | None = None
     num_auto_tokens: int = 0
     auto_drift: float | None = None
     auto_fallback: bool = False
+    num_auto_repaired: int = 0
     # Storage tiers: how many tokens came from tiers on admission (the loads themselves are
     # the scheduler's tier connector's state, kvmosaic/kv/connector.py).
     num_tier_tokens: int = 0

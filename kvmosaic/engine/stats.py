@@ -33,10 +33,12 @@ class EngineStats:
     # Sampled KV block residency histograms (cache/residency.py); {} when off.
     kv_residency: dict = field(default_factory=dict)
     # Automatic segment reuse (blend/auto.py): requests answered from reused chunks, tokens
-    # reused, guard fallbacks.
+    # reused, guard fallbacks, guard repairs (requests; reused tokens recomputed beyond the ratio).
     auto_reuse_requests: int = 0
     auto_reuse_tokens: int = 0
     auto_reuse_fallbacks: int = 0
+    auto_reuse_repairs: int = 0
+    auto_reuse_repaired_tokens: int = 0
     num_waiting_for_kv: int = 0  # requests parked while a storage tier loads their KV (WAITING_FOR_KV)
     # Anticipation (engine/anticipation.py): idle periods of one-request-at-a-time tenants the
     # next step was held for, how many of those tenants came back inside the hold, seconds held.

@@ -73,10 +73,11 @@ def usage(outs: list[RequestOutput | None], miss_reasons: bool = False) -> dict:
 
 
 def _auto(firsts: list[RequestOutput]) -> dict:
-    """Auto-reuse fields over several prompts: tokens summed, the largest drift, any fallback."""
+    """Auto-reuse fields over several prompts: tokens summed, the largest drift, any fallback, repairs summed."""
     autos = [o.auto_reuse for o in firsts if o.auto_reuse is not None]
     if not autos:
         return {}
     drifts = [a["drift"] for a in autos if a["drift"] is not None]
     return auto_details({"tokens": sum(a["tokens"] for a in autos), "drift": max(drifts) if drifts else None,
-                         "fallback": any(a["fallback"] for a in autos)})
+                         "fallback": any(a["fallback"] for a in autos),
+                         "repaired": sum(a.get("repaired", 0) for a in autos)})

@@ -85,6 +85,11 @@ class EngineCollector(Collector):
                       getattr(st, "auto_reuse_tokens", 0))
         yield counter("auto_reuse_fallbacks", "Requests whose drift estimate exceeded --auto-reuse-max-drift: "
                       "recomputed from the first reused token.", getattr(st, "auto_reuse_fallbacks", 0))
+        yield counter("auto_reuse_repairs", "Requests whose blend recomputed more reused tokens than "
+                      "--blend-ratio asks, to bring the drift estimate within --auto-reuse-max-drift.",
+                      getattr(st, "auto_reuse_repairs", 0))
+        yield counter("auto_reuse_repaired_tokens", "Reused tokens those repairs recomputed.",
+                      getattr(st, "auto_reuse_repaired_tokens", 0))
         yield counter("fair_share_anticipation_holds", "Idle periods of one-request-at-a-time tenants the next "
                       "step was held for (--fair-share-anticipation-ms).", getattr(st, "anticipation_holds", 0))
         yield counter("fair_share_anticipation_hits", "Of those, the tenant's next request came inside the hold.",

@@ -5,7 +5,8 @@ whose KV came from the prefix cache instead of being computed; ``segment_tokens`
 kvmosaic extension) counts those reused from stored segments at other positions. With
 ``segment_reuse="auto"`` three more: ``auto_reused_tokens`` (prompt tokens whose KV came from
 chunks found automatically, not recomputed), ``auto_reuse_drift`` (the guard's drift estimate,
-null when no chunk was found) and ``auto_reuse_fallback`` (the guard recomputed the reused part).
+null when no chunk was found), ``auto_reuse_fallback`` (the guard recomputed the reused part) and
+``auto_reuse_repaired_tokens`` (reused tokens the guard had recomputed beyond the ratio to meet its bound).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ def auto_details(auto: dict | None) -> dict:
     if auto is None:
         return {}
     return {"auto_reused_tokens": auto["tokens"], "auto_reuse_drift": auto["drift"],
-            "auto_reuse_fallback": auto["fallback"]}
+            "auto_reuse_fallback": auto["fallback"], "auto_reuse_repaired_tokens": auto.get("repaired", 0)}
 
 
 def usage(out: RequestOutput) -> dict:
