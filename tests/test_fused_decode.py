@@ -49,22 +49,31 @@ def _prompts(tokenizer) -> list[list[int]]:
 def _count_fused_steps(model, monkeypatch) -> list[int]:
     """Wrap the model's fused step (built on first use) to count the steps it served."""
     served = [0]
+
+    def count(fused, *args):
+        out = fused(*args)
+        served[0] += out is not None
+        return out
+
+    _around_fused_steps(model, monkeypatch, count)
+    return served
+
+
+def _around_fused_steps(model, monkeypatch, around) -> None:
+    """Run ``around(fused, x, positions, kv, meta)`` in place of every fused step the model takes."""
     decide = model.fused_decode
 
-    def counting(kv, meta):
+    def wrapped(kv, meta):
         fused = decide(kv, meta)
         if fused is None:
             return None
 
-        def call(*args):
-            out = fused(*args)
-            served[0] += out is not None
-            return out
+        def call(x, positions, kv, meta):
+            return around(fused, x, positions, kv, meta)
         call.logits = fused.logits
         return call
 
-    monkeypatch.setattr(model, "fused_decode", counting)  # the model is shared by the tests' engines
-    return served
+    monkeypatch.setattr(model, "fused_decode", wrapped)  # the model is shared by the tests' engines
 
 
 def _greedy(llm, prompts, max_tokens=20):
@@ -111,31 +120,22 @@ def test_fused_greedy_matches_layer_by_layer_and_is_as_close_to_float32(dtype, m
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, monkeypatch):
     llm = _fused_llm(dtype, num_kv_blocks=128)
-    model = llm.engine.model
     checked = []
-    decide = model.fused_decode
 
-    def check_rows(kv, meta):
-        fused = decide(kv, meta)
-        if fused is None:
-            return None
+    def check_rows(fused, x, positions, kv, meta):
+        batched = fused(x, positions, kv, meta)
+        d = meta.decode
+        for row in range(x.shape[0]):
+            n = int(d.lens[row])
+            alone = AttentionMetadata(meta.slot_mapping[row : row + 1], decode=DecodeBatch(
+                torch.zeros(1, dtype=torch.long), d.ctx_slots[row : row + 1, :n], None, lens=d.lens[row : row + 1]))
+            one = fused(x[row : row + 1], positions[row : row + 1], kv, alone)
+            assert torch.equal(one[0], batched[row]), f"row {row} of {x.shape[0]} changed alone"
+            assert torch.equal(fused.logits(one)[0], fused.logits(batched)[row]), "its logits changed alone"
+        checked.append(x.shape[0])
+        return batched
 
-        def call(x, positions, kv, meta):
-            batched = fused(x, positions, kv, meta)
-            d = meta.decode
-            for row in range(x.shape[0]):
-                n = int(d.lens[row])
-                alone = AttentionMetadata(meta.slot_mapping[row : row + 1], decode=DecodeBatch(
-                    torch.zeros(1, dtype=torch.long), d.ctx_slots[row : row + 1, :n], None, lens=d.lens[row : row + 1]))
-                one = fused(x[row : row + 1], positions[row : row + 1], kv, alone)
-                assert torch.equal(one[0], batched[row]), f"row {row} of {x.shape[0]} changed alone"
-                assert torch.equal(fused.logits(one)[0], fused.logits(batched)[row]), "its logits changed alone"
-            checked.append(x.shape[0])
-            return batched
-        call.logits = fused.logits
-        return call
-
-    monkeypatch.setattr(model, "fused_decode", check_rows)
+    _around_fused_steps(llm.engine.model, monkeypatch, check_rows)
     prompts = _prompts(llm.tokenizer)
     llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 9, 12)])
     assert checked and max(checked) == 3
@@ -193,31 +193,22 @@ def test_follows_the_pool_it_is_given_when_another_pool_shares_its_first_address
     the new token's K/V into the freed pool's layers (a CI run: one cache-on request decoded a
     repeated token after a correct first one)."""
     llm = _fused_llm("float32", num_kv_blocks=64)
-    model = llm.engine.model
     checked = []
-    decide = model.fused_decode
 
-    def check_pools(kv, meta):
-        fused = decide(kv, meta)
-        if fused is None:
-            return None
+    def check_pools(fused, x, positions, kv, meta):
+        other = copy.copy(kv)  # layer 0 the same tensors, the others copies at other addresses
+        other.k = kv.k[:1] + [t.clone() for t in kv.k[1:]]
+        other.v = kv.v[:1] + [t.clone() for t in kv.v[1:]]
+        out = fused(x, positions, kv, meta)
+        again = fused(x, positions, other, meta)
+        slots = meta.slot_mapping
+        for layer in range(1, len(kv.k)):
+            assert torch.equal(other.k[layer][slots], kv.k[layer][slots]), f"layer {layer}'s K went elsewhere"
+            assert torch.equal(other.v[layer][slots], kv.v[layer][slots]), f"layer {layer}'s V went elsewhere"
+        assert torch.equal(out, again)
+        checked.append(x.shape[0])
+        return out
 
-        def call(x, positions, kv, meta):
-            other = copy.copy(kv)  # layer 0 the same tensors, the others copies at other addresses
-            other.k = kv.k[:1] + [t.clone() for t in kv.k[1:]]
-            other.v = kv.v[:1] + [t.clone() for t in kv.v[1:]]
-            out = fused(x, positions, kv, meta)
-            again = fused(x, positions, other, meta)
-            slots = meta.slot_mapping
-            for layer in range(1, len(kv.k)):
-                assert torch.equal(other.k[layer][slots], kv.k[layer][slots]), f"layer {layer}'s K went elsewhere"
-                assert torch.equal(other.v[layer][slots], kv.v[layer][slots]), f"layer {layer}'s V went elsewhere"
-            assert torch.equal(out, again)
-            checked.append(x.shape[0])
-            return out
-        call.logits = fused.logits
-        return call
-
-    monkeypatch.setattr(model, "fused_decode", check_pools)
+    _around_fused_steps(llm.engine.model, monkeypatch, check_pools)
     llm.generate(_prompts(llm.tokenizer)[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert checked
