@@ -46,12 +46,12 @@ def choose(
         count = min(n, math.ceil((ratio or 0.0) * n - 1e-9))
         if floor > 0:
             count = min(count, int((scores > floor).sum()))
-    plain = scores.float().cpu()
     if count == 0:
-        idx = torch.empty(0, dtype=torch.long)
-    elif random:
+        return torch.empty(0, dtype=torch.long)
+    if random:
         idx = torch.randperm(n, generator=generator)[:count]
     else:
+        plain = scores.float().cpu()
         ranked = plain if weights is None else plain * weights.float().cpu()
         if floor > 0 and weights is not None:
             ranked[plain <= floor] = -1.0  # never above a token past the floor

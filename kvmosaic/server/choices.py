@@ -80,4 +80,4 @@ def _auto(firsts: list[RequestOutput]) -> dict:
     drifts = [a["drift"] for a in autos if a["drift"] is not None]
     return auto_details({"tokens": sum(a["tokens"] for a in autos), "drift": max(drifts) if drifts else None,
                          "fallback": any(a["fallback"] for a in autos),
-                         "repaired": sum(a.get("repaired", 0) for a in autos)})
+                         "repaired": sum(a["repaired"] for a in autos)})

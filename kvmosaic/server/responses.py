@@ -23,7 +23,7 @@ def auto_details(auto: dict | None) -> dict:
     if auto is None:
         return {}
     return {"auto_reused_tokens": auto["tokens"], "auto_reuse_drift": auto["drift"],
-            "auto_reuse_fallback": auto["fallback"], "auto_reuse_repaired_tokens": auto.get("repaired", 0)}
+            "auto_reuse_fallback": auto["fallback"], "auto_reuse_repaired_tokens": auto["repaired"]}
 
 
 def usage(out: RequestOutput) -> dict:
