@@ -113,11 +113,12 @@ def test_shared_prefixes_groups_rows_by_their_common_leading_blocks():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_over_the_pool_matches_a_float64_reference(dtype, decode_path):
     """Batched decode with contexts of 1 to 700 tokens at scattered slots, in both pool dtypes:
-    each row equals a float64 softmax(QK^T)V over that row's own context."""
+    each row equals a float64 softmax(QK^T)V over that row's own context (128, 129, 257: the
+    kernel attends a context in chunks of 128 keys and merges them)."""
     torch.manual_seed(7)
     heads, kv_heads, d, pool = 9, 3, 64, 3000
     pool_k, pool_v = torch.randn(pool, kv_heads, d).to(dtype), torch.randn(pool, kv_heads, d).to(dtype)
-    ctxs = [torch.randperm(pool)[:n] for n in (1, 31, 32, 33, 700, 5)]
+    ctxs = [torch.randperm(pool)[:n] for n in (1, 31, 32, 33, 700, 5, 128, 129, 257)]
     q = torch.randn(len(ctxs), heads, d).to(dtype)
     out = paged_attention(q, pool_k, pool_v, _decode_meta(ctxs), 0.125)
     assert out.dtype == dtype

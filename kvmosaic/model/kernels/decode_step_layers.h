@@ -70,13 +70,22 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
     const int64_t widest = qkv_width > inter ? qkv_width : inter, rows = batch * hidden;
     /* shared: delta, the second residual buffer, wide, attn; per thread: its residual and normed rows */
     const size_t bytes = (size_t)(2 * rows + batch * (widest + q_width) + 2 * num_threads * rows) * sizeof(ELEM);
+    int64_t *first = malloc((size_t)(batch + 1) * sizeof(int64_t));
+    if (first == NULL) return -3;
+    paged_decode_tasks(lens, batch, kv_heads, first);
+    const int64_t tasks = first[batch];
+    float *parts = malloc((size_t)(tasks * group * (dim + 1)) * sizeof(float)), *part_lse = parts + tasks * group * dim;
     ELEM *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
-    if (scratch == NULL) return -3;
+    if (scratch == NULL || parts == NULL) {
+        free(scratch), free(parts), free(first);
+        return -3;
+    }
     ELEM *delta = scratch, *other = delta + rows, *wide = other + rows, *attn = wide + batch * widest;
     ELEM *private_rows = attn + batch * q_width;
 #pragma omp parallel num_threads(num_threads)
     {
         float q[MAX_GROUP * MAX_DIM], o[MAX_GROUP * MAX_DIM], lse[MAX_GROUP];
+        ELEM q_rot[MAX_GROUP * MAX_DIM];
         const int me = omp_get_thread_num(), team = omp_get_num_threads();
         ELEM *res = private_rows + (int64_t)me * 2 * rows, *h = res + rows;
         /* The residual stream lives in two shared buffers, read from one and written to the other
@@ -99,19 +108,32 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                 ++updates;
             }
             NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide);
-#pragma omp for collapse(2) schedule(dynamic, 1)
-            for (int64_t b = 0; b < batch; ++b) {
-                for (int64_t g = 0; g < kv_heads; ++g) {
-                    /* this row's q heads of group g and its K/V head g: rotated, K/V written to the pool */
-                    ELEM *row = wide + b * qkv_width, *qb = row + g * group * dim;
-                    ELEM *k = row + q_width + g * dim, *v = k + kv_width;
-                    rope_row(qb, cos + b * dim, signed_sin + b * dim, group, dim, IS_BF16);
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < tasks; ++t) {
+                /* one chunk of one (row, kv head): the group's q heads rotated (a private copy: the
+                 * row's other chunks read them too), attending the chunk's keys; the chunk that
+                 * holds the new token rotates its K and writes its K/V to the pool first */
+                int64_t b, g, c;
+                paged_decode_task(first, lens, batch, t, &b, &g, &c);
+                ELEM *row = wide + b * qkv_width, *k = row + q_width + g * dim, *v = k + kv_width;
+                memcpy(q_rot, row + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
+                rope_row(q_rot, cos + b * dim, signed_sin + b * dim, group, dim, IS_BF16);
+                for (int64_t i = 0; i < group * dim; ++i) q[i] = TO_F(q_rot[i]);
+                const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
+                if (begin + n == lens[b]) {
                     rope_row(k, cos + b * dim, signed_sin + b * dim, 1, dim, IS_BF16);
                     memcpy(k_pool + slot_mapping[b] * kv_width + g * dim, k, (size_t)dim * sizeof(ELEM));
                     memcpy(v_pool + slot_mapping[b] * kv_width + g * dim, v, (size_t)dim * sizeof(ELEM));
-                    for (int64_t i = 0; i < group * dim; ++i) q[i] = TO_F(qb[i]);
-                    paged_decode_head(q, k_pool, v_pool, IS_BF16, IS_BF16, ctx_slots + b * max_len, lens[b], kv_heads, dim, g,
-                                      group, scale, o, lse);
+                }
+                paged_decode_head(q, k_pool, v_pool, IS_BF16, IS_BF16, ctx_slots + b * max_len + begin, n, kv_heads, dim,
+                                  g, group, scale, parts + t * group * dim, part_lse + t * group);
+            }
+#pragma omp for collapse(2) schedule(static)
+            for (int64_t b = 0; b < batch; ++b) {
+                for (int64_t g = 0; g < kv_heads; ++g) {
+                    const int64_t t = first[b] + g * decode_chunks(lens[b]);
+                    paged_decode_merge(parts + t * group * dim, part_lse + t * group, decode_chunks(lens[b]), group, dim,
+                                       o, lse);
                     ELEM *out = attn + b * q_width + g * group * dim;
                     for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
                 }
@@ -127,6 +149,6 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         for (int64_t i = share_lo; i < share_hi; ++i)
             stream[i] = FROM_F(TO_F(last[i]) + TO_F(delta[i]));
     }
-    free(scratch);
+    free(scratch), free(parts), free(first);
     return 0;
 }

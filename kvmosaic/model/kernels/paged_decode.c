@@ -6,12 +6,15 @@
  * TILE tokens with an online softmax in float32: scores of a tile, one rescale of the running
  * sum, then the tile's values. Each K and V row is read once per (sequence, kv head) and
  * converted to float32 in registers. Returns the attention output and the log-sum-exp of the
- * scaled scores (cascade attention merges partial results with it).
+ * scaled scores (cascade attention merges partial results with it). A context is attended in
+ * chunks of DECODE_CHUNK keys, one task each, merged in chunk order (paged_decode.h).
  *
  * Written in plain C so that it builds in about a second with the system compiler; OpenMP
  * resolves to the runtime torch has already loaded (libgomp.so.1), so torch.set_num_threads
  * and this kernel share one thread pool.
  */
+#include <stdlib.h>
+
 #include "paged_decode.h"
 
 #define TILE 32
@@ -191,6 +194,108 @@ static void attend_avx512bf16(const float *q, const uint16_t *k_pool, const uint
 }
 #endif
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define HAVE_AVX2_F32 1
+
+/* r[j] = the sum of v[j]'s 8 lanes, for 8 vectors at once (three rounds of shuffles and adds). */
+static inline __m256 sum_lanes_8(const __m256 *v) {
+    const __m256 a0 = _mm256_hadd_ps(v[0], v[1]), a1 = _mm256_hadd_ps(v[2], v[3]);
+    const __m256 a2 = _mm256_hadd_ps(v[4], v[5]), a3 = _mm256_hadd_ps(v[6], v[7]);
+    const __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    return _mm256_add_ps(_mm256_permute2f128_ps(b0, b1, 0x20), _mm256_permute2f128_ps(b0, b1, 0x31));
+}
+
+/* attend_one for a float32 pool on CPUs with AVX2 and FMA: a tile's scores eight keys at a time
+ * (one vector of eight sums per query head), its values in register passes of 32 dimensions per
+ * query head. Requires dim % 32 == 0. Same results as attend_one up to float32 summation order.
+ * Inlined with constant (group, dim) for the common shapes (see attend_avx2_f32). */
+static inline __attribute__((always_inline)) void attend_one_avx2_f32(
+    const float *q, const float *k_pool, const float *v_pool, const int64_t *seq_slots, int64_t len,
+    int64_t kv_heads, const int64_t dim, int64_t g, const int64_t group, float scale, float *out, float *lse) {
+    float qs[MAX_GROUP * MAX_DIM] __attribute__((aligned(32))), acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
+    float s[MAX_GROUP * TILE] __attribute__((aligned(32))), m[MAX_GROUP], l[MAX_GROUP];
+    const float *rows[TILE];
+    for (int64_t i = 0; i < group * dim; ++i) {
+        qs[i] = q[i] * scale;
+        acc[i] = 0.0f;
+    }
+    for (int64_t r = 0; r < group; ++r) {
+        m[r] = -3.0e38f;
+        l[r] = 0.0f;
+    }
+    for (int64_t t0 = 0; t0 < len; t0 += TILE) {
+        const int64_t n = len - t0 < TILE ? len - t0 : TILE;
+        for (int64_t j = 0; j < n; ++j) {
+            rows[j] = k_pool + (seq_slots[t0 + j] * kv_heads + g) * dim;
+            if (t0 + j + PREFETCH < len) {
+                const float *ahead = k_pool + (seq_slots[t0 + j + PREFETCH] * kv_heads + g) * dim;
+                for (int64_t c = 0; c < dim; c += 16) _mm_prefetch((const char *)(ahead + c), _MM_HINT_T0);
+            }
+            const float *vrow = v_pool + (rows[j] - k_pool);
+            for (int64_t c = 0; c < dim; c += 16) _mm_prefetch((const char *)(vrow + c), _MM_HINT_T0);
+        }
+        for (int64_t j = n; j < TILE; ++j) rows[j] = rows[0]; /* a short tile's extra scores are ignored */
+        for (int64_t j0 = 0; j0 < n; j0 += 8) {
+            for (int64_t r = 0; r < group; ++r) {
+                __m256 dots[8];
+                for (int k = 0; k < 8; ++k) {
+                    const float *krow = rows[j0 + k];
+                    __m256 d0 = _mm256_mul_ps(_mm256_load_ps(qs + r * dim), _mm256_loadu_ps(krow));
+                    __m256 d1 = _mm256_mul_ps(_mm256_load_ps(qs + r * dim + 8), _mm256_loadu_ps(krow + 8));
+                    for (int64_t c = 16; c < dim; c += 16) {
+                        d0 = _mm256_fmadd_ps(_mm256_load_ps(qs + r * dim + c), _mm256_loadu_ps(krow + c), d0);
+                        d1 = _mm256_fmadd_ps(_mm256_load_ps(qs + r * dim + c + 8), _mm256_loadu_ps(krow + c + 8), d1);
+                    }
+                    dots[k] = _mm256_add_ps(d0, d1);
+                }
+                _mm256_store_ps(s + r * TILE + j0, sum_lanes_8(dots));
+            }
+        }
+        for (int64_t r = 0; r < group; ++r) {
+            const float correction = softmax_tile(s + r * TILE, n, m + r, l + r);
+            const float *sr = s + r * TILE;
+            for (int64_t c = 0; c < dim; c += 32) {
+                const __m256 corr = _mm256_set1_ps(correction);
+                float *ar = acc + r * dim + c;
+                __m256 a0 = _mm256_mul_ps(_mm256_load_ps(ar), corr), a1 = _mm256_mul_ps(_mm256_load_ps(ar + 8), corr);
+                __m256 a2 = _mm256_mul_ps(_mm256_load_ps(ar + 16), corr), a3 = _mm256_mul_ps(_mm256_load_ps(ar + 24), corr);
+                for (int64_t j = 0; j < n; ++j) {
+                    const float *vrow = v_pool + (rows[j] - k_pool) + c;
+                    const __m256 p = _mm256_broadcast_ss(sr + j);
+                    a0 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow), a0);
+                    a1 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 8), a1);
+                    a2 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 16), a2);
+                    a3 = _mm256_fmadd_ps(p, _mm256_loadu_ps(vrow + 24), a3);
+                }
+                _mm256_store_ps(ar, a0), _mm256_store_ps(ar + 8, a1), _mm256_store_ps(ar + 16, a2), _mm256_store_ps(ar + 24, a3);
+            }
+        }
+    }
+    for (int64_t r = 0; r < group; ++r) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = acc[r * dim + d] * inv;
+        lse[r] = m[r] + logf(l[r]);
+    }
+}
+
+/* attend_one_avx2_f32 with a constant head size and group, where they are common ones. */
+static void attend_avx2_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *seq_slots,
+                            int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group, float scale,
+                            float *out, float *lse) {
+#define CASE(G, D)                                                                                      \
+    if (group == G && dim == D) {                                                                       \
+        attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse);    \
+        return;                                                                                         \
+    }
+#define CASES(G) CASE(G, 64) CASE(G, 128)
+    CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8)
+#undef CASES
+#undef CASE
+    attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, dim, g, group, scale, out, lse);
+}
+#endif
+
 /* One (sequence, kv head): the group's ``group`` query heads ``q`` [group, D] float32 over the
  * first ``len`` of ``seq_slots``; writes out [group, D] and lse [group]. The AVX512-BF16 path
  * where the pool is bfloat16, the queries bfloat16 values and D a multiple of 32. Shared with
@@ -205,6 +310,13 @@ void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, i
         return;
     }
 #endif
+#ifdef HAVE_AVX2_F32
+    if (!kv_bf16 && dim % 32 == 0) {
+        attend_avx2_f32(q, (const float *)k_pool, (const float *)v_pool, seq_slots, len, kv_heads, dim, g, group, scale,
+                        out, lse);
+        return;
+    }
+#endif
     if (dim == 64)
         attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 64, g, group, scale, out, lse);
     else if (dim == 128)
@@ -213,11 +325,48 @@ void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, i
         attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, dim, g, group, scale, out, lse);
 }
 
+void paged_decode_merge(const float *parts, const float *part_lse, int64_t chunks, int64_t group, int64_t dim, float *out,
+                        float *lse) {
+    for (int64_t r = 0; r < group; ++r) {
+        float m = part_lse[r], sum = 0.0f;
+        for (int64_t c = 1; c < chunks; ++c) m = part_lse[c * group + r] > m ? part_lse[c * group + r] : m;
+        float *o = out + r * dim;
+        for (int64_t d = 0; d < dim; ++d) o[d] = 0.0f;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const float w = expf(part_lse[c * group + r] - m);
+            const float *p = parts + (c * group + r) * dim;
+            sum += w;
+            for (int64_t d = 0; d < dim; ++d) o[d] += w * p[d];
+        }
+        const float inv = 1.0f / sum;
+        for (int64_t d = 0; d < dim; ++d) o[d] *= inv;
+        lse[r] = m + logf(sum);
+    }
+}
+
+void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t kv_heads, int64_t *first) {
+    first[0] = 0;
+    for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + kv_heads * decode_chunks(lens[b]);
+}
+
+void paged_decode_task(const int64_t *first, const int64_t *lens, int64_t batch, int64_t t, int64_t *b, int64_t *g,
+                       int64_t *chunk) {
+    int64_t lo = 0, hi = batch; /* the last b with first[b] <= t */
+    while (hi - lo > 1) {
+        const int64_t mid = (lo + hi) / 2;
+        if (first[mid] <= t) lo = mid;
+        else hi = mid;
+    }
+    const int64_t chunks = decode_chunks(lens[lo]), local = t - first[lo];
+    *b = lo, *g = local / chunks, *chunk = local % chunks;
+}
+
 /* q [B, H, D] float32; k_pool, v_pool [num_slots, Hkv, D] (bfloat16 when kv_bf16, else float32);
  * slots [B, max_len] int64, of which the first lens[b] (>= 1) are sequence b's context; out
  * [B, H, D] and lse [B, H] float32. q_bf16_exact: every q value is a bfloat16 value (the model
  * computes in bfloat16), which lets the AVX512-BF16 path take q as bfloat16 without rounding.
- * Returns 0, or -1 when a shape is out of the supported range. */
+ * Each (sequence, kv head) in chunks of DECODE_CHUNK keys, merged (paged_decode.h).
+ * Returns 0, -1 when a shape is out of the supported range, -3 out of memory. */
 int paged_decode_attention(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
                            const int64_t *slots, const int64_t *lens, int64_t batch, int64_t heads,
                            int64_t kv_heads, int64_t dim, int64_t max_len, float scale, float *out,
@@ -225,13 +374,37 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
     if (kv_heads <= 0 || heads % kv_heads != 0 || heads / kv_heads > MAX_GROUP || dim > MAX_DIM)
         return -1;
     const int64_t group = heads / kv_heads;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1) num_threads(num_threads)
-    for (int64_t b = 0; b < batch; ++b) {
-        for (int64_t g = 0; g < kv_heads; ++g) {
-            const int64_t first = b * heads + g * group;
-            paged_decode_head(q + first * dim, k_pool, v_pool, kv_bf16, q_bf16_exact, slots + b * max_len, lens[b],
-                              kv_heads, dim, g, group, scale, out + first * dim, lse + first);
+    int64_t *first = malloc((size_t)(batch + 1) * sizeof(int64_t));
+    if (first == NULL) return -3;
+    paged_decode_tasks(lens, batch, kv_heads, first);
+    const int64_t tasks = first[batch];
+    float *parts = malloc((size_t)(tasks * group * (dim + 1)) * sizeof(float));
+    if (parts == NULL) {
+        free(first);
+        return -3;
+    }
+    float *part_lse = parts + tasks * group * dim;
+#pragma omp parallel num_threads(num_threads)
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < tasks; ++t) {
+            int64_t b, g, c;
+            paged_decode_task(first, lens, batch, t, &b, &g, &c);
+            const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
+            paged_decode_head(q + (b * heads + g * group) * dim, k_pool, v_pool, kv_bf16, q_bf16_exact,
+                              slots + b * max_len + begin, n, kv_heads, dim, g, group, scale, parts + t * group * dim,
+                              part_lse + t * group);
+        }
+#pragma omp for collapse(2)
+        for (int64_t b = 0; b < batch; ++b) {
+            for (int64_t g = 0; g < kv_heads; ++g) {
+                const int64_t t = first[b] + g * decode_chunks(lens[b]), head = b * heads + g * group;
+                paged_decode_merge(parts + t * group * dim, part_lse + t * group, decode_chunks(lens[b]), group, dim,
+                                   out + head * dim, lse + head);
+            }
         }
     }
+    free(parts);
+    free(first);
     return 0;
 }

@@ -6,8 +6,28 @@
 
 #define MAX_GROUP 16
 #define MAX_DIM 256
+/* Keys per task: a sequence's context is attended in chunks of DECODE_CHUNK keys (the last one shorter),
+ * each a task of its own, merged by log-sum-exp in chunk order, so that a single long sequence
+ * keeps every thread busy. Fixed, not sized to the batch: a sequence's result depends on its
+ * length alone, never on the other sequences of the step. */
+#define DECODE_CHUNK 128
+
+static inline int64_t decode_chunks(int64_t len) { return (len + DECODE_CHUNK - 1) / DECODE_CHUNK; }
 
 void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
                        const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
                        float scale, float *out, float *lse);
+
+/* out [group, D], lse [group] from ``chunks`` partial results of one (sequence, kv head),
+ * parts [chunks, group, D] and part_lse [chunks, group] in chunk order. */
+void paged_decode_merge(const float *parts, const float *part_lse, int64_t chunks, int64_t group, int64_t dim, float *out,
+                        float *lse);
+
+/* The task table of a step: first[b] is the first task of sequence b (kv_heads * its chunks tasks,
+ * kv head major), first[batch] the task count. */
+void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t kv_heads, int64_t *first);
+
+/* The (sequence, kv head, chunk) of task t: a binary search in first. */
+void paged_decode_task(const int64_t *first, const int64_t *lens, int64_t batch, int64_t t, int64_t *b, int64_t *g,
+                       int64_t *chunk);
 #endif
