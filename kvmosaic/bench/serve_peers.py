@@ -179,7 +179,8 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
         # revision: `git worktree add /tmp/old REV`), so both are measured in one run.
         argv = ["env", f"PYTHONPATH={Path(source).resolve()}"] if source else []
         argv += [sys.executable, "-m", "kvmosaic.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
-                 "--log-level", "warning", "--prefix-cache", KVMOSAIC_SERVE[base], "--dtype", dtype]
+                 "--log-level", "warning", "--prefix-cache", KVMOSAIC_SERVE[base], "--dtype", dtype,
+                 "--kv-cache-memory", f"{KV_CACHE_GIB}G"]
         argv += KVMOSAIC_SERVE_ARGS.get(base, [])
         argv += ["--num-threads", str(threads)] if threads else []
         argv += ["--model", str(gguf)] if model_path else []
@@ -217,9 +218,11 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
     raise ValueError(unavailable_reason(name) or name)
 
 
-# vLLM's CPU KV cache, GiB (VLLM_CPU_KVCACHE_SPACE): 16 requests of ~1k tokens of a small model need
-# a small fraction of it; its default (about 4 GiB, or a share of memory) is allocated up front.
-VLLM_KVCACHE_GIB = 2
+# The KV cache every engine with a sized pool gets, GiB: vLLM's VLLM_CPU_KVCACHE_SPACE (its default,
+# about 4 GiB or a share of memory, is allocated up front) and kvmosaic's --kv-cache-memory (default 1
+# GiB: 32 float32 requests of ~780 tokens fill it, and the scheduler then admits a prefill only as
+# blocks free up), so that neither engine runs with more cache than the other.
+KV_CACHE_GIB = 2
 # llama-server's slots: -np 16 parallel sequences sharing one -c context of 16 x 2,048 tokens.
 LLAMA_SLOTS, LLAMA_SLOT_TOKENS = 16, 2048
 
@@ -232,7 +235,7 @@ def vllm_argv(gguf: Path, dtype: str, threads: int | None) -> list[str]:
     if py is None:
         raise RuntimeError(unavailable_reason("vllm-cpu") or "vllm-cpu is not installed")
     folder = export_gguf(gguf)
-    env = [f"VLLM_CPU_KVCACHE_SPACE={VLLM_KVCACHE_GIB}", "VLLM_TARGET_DEVICE=cpu", "VLLM_NO_USAGE_STATS=1",
+    env = [f"VLLM_CPU_KVCACHE_SPACE={KV_CACHE_GIB}", "VLLM_TARGET_DEVICE=cpu", "VLLM_NO_USAGE_STATS=1",
            "DO_NOT_TRACK=1", "HF_HUB_OFFLINE=1", "TRANSFORMERS_OFFLINE=1"]
     if threads:
         env += [f"OMP_NUM_THREADS={threads}", "VLLM_CPU_OMP_THREADS_BIND=nobind"]
