@@ -5,6 +5,8 @@ Penalties, ``logit_bias`` and ``min_tokens`` change the logits before this modul
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .logits_processors import apply_min_p
@@ -64,12 +66,14 @@ def sample_rows(
 ) -> list[int | Exception]:
     """One token per row of ``logits`` ``[n, vocab]``, or the exception that row raised: a
     failure belongs to its request alone."""
-    greedy = logits.argmax(-1).tolist()
-    finite = torch.isfinite(logits).all(-1).tolist()
+    # One pass for the greedy rows: the first index of each row's maximum, and the maximum, which
+    # is finite only where the row has no NaN (max propagates it), no +inf and a finite logit: the
+    # rows whose argmax sanitize() would not change. Any other row takes sample_row's path.
+    best, greedy = (t.tolist() for t in logits.max(-1))
     out: list[int | Exception] = []
     for i, p in enumerate(params):
         try:
-            if p.greedy and finite[i]:
+            if p.greedy and math.isfinite(best[i]):
                 out.append(greedy[i])
             else:
                 out.append(sample_row(logits[i], p, generators[i]))
