@@ -18,6 +18,18 @@
 #include "paged_decode.h"
 
 #define TILE 32
+
+/* CALL(G, D) with the query group and head size as constants where (group, dim) is a common shape,
+ * so that an inlined attend_one_* has constant trip counts; else CALL(group, dim). Returns. */
+#define SHAPE_CASE(CALL, G, D) \
+    if (group == G && dim == D) { \
+        CALL(G, D); \
+        return; \
+    }
+#define SHAPE_CASES(CALL, G) SHAPE_CASE(CALL, G, 64) SHAPE_CASE(CALL, G, 128)
+#define WITH_CONSTANT_SHAPE(CALL) \
+    SHAPE_CASES(CALL, 1) SHAPE_CASES(CALL, 2) SHAPE_CASES(CALL, 3) SHAPE_CASES(CALL, 4) SHAPE_CASES(CALL, 5) \
+    SHAPE_CASES(CALL, 6) SHAPE_CASES(CALL, 7) SHAPE_CASES(CALL, 8) CALL(group, dim)
 #define PREFETCH 16 /* tokens ahead */
 
 static inline __attribute__((always_inline)) void load_row(const void *pool, int kv_bf16, int64_t offset,
@@ -181,16 +193,9 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
 static void attend_avx512bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *seq_slots,
                               int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group, float scale,
                               float *out, float *lse) {
-#define CASE(G, D)                                                                                              \
-    if (group == G && dim == D) {                                                                               \
-        attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse);          \
-        return;                                                                                                 \
-    }
-#define CASES(G) CASE(G, 64) CASE(G, 128)
-    CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8)
-#undef CASES
-#undef CASE
-    attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, dim, g, group, scale, out, lse);
+#define CALL(G, D) attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse)
+    WITH_CONSTANT_SHAPE(CALL);
+#undef CALL
 }
 #endif
 
@@ -283,16 +288,9 @@ static inline __attribute__((always_inline)) void attend_one_avx2_f32(
 static void attend_avx2_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *seq_slots,
                             int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group, float scale,
                             float *out, float *lse) {
-#define CASE(G, D)                                                                                      \
-    if (group == G && dim == D) {                                                                       \
-        attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse);    \
-        return;                                                                                         \
-    }
-#define CASES(G) CASE(G, 64) CASE(G, 128)
-    CASES(1) CASES(2) CASES(3) CASES(4) CASES(5) CASES(6) CASES(7) CASES(8)
-#undef CASES
-#undef CASE
-    attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, dim, g, group, scale, out, lse);
+#define CALL(G, D) attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse)
+    WITH_CONSTANT_SHAPE(CALL);
+#undef CALL
 }
 #endif
 
