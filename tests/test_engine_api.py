@@ -49,6 +49,29 @@ def test_stops(llm):
     assert chat.finish_reason == "stop" and chat.token_ids[-1] == llm.tokenizer.eos_token_id
 
 
+def test_text_is_decoded_incrementally_and_ends_as_a_whole_decode(llm):
+    """Each step's text extends the last one (the decode stream), and every finished text equals
+    the tokenizer's decode of all its ids, special tokens kept or skipped, multi-byte characters
+    included (random ids split UTF-8 sequences across tokens)."""
+    from kvmosaic.engine.sequence import Sequence
+
+    engine, rng = llm.engine, torch.Generator().manual_seed(5)
+    for skip in (True, False):
+        ids = torch.randint(0, llm.tokenizer.vocab_size, (120,), generator=rng).tolist()
+        seq = Sequence("r", None, [1, 2, 3], SamplingParams(max_tokens=120, ignore_eos=True, skip_special_tokens=skip))
+        texts = []
+        for tok in ids:
+            seq.append_token(tok)
+            engine.outputs.check_stop(seq, tok)
+            texts.append(seq.output_text)
+        assert all(b.startswith(a) for a, b in zip(texts, texts[1:]))
+        assert seq.finish_reason == "length"
+        assert seq.output_text == llm.tokenizer.decode(ids, skip_special_tokens=skip)
+        greedy = llm.generate("Écris un poème: 🌊", SamplingParams(temperature=0.8, seed=3, max_tokens=40,
+                                                                 ignore_eos=True, skip_special_tokens=skip))[0]
+        assert greedy.text == llm.tokenizer.decode(greedy.token_ids, skip_special_tokens=skip)
+
+
 def test_salts_isolate_and_same_salt_shares(llm):
     msgs = lambda q: [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]  # noqa: E731
     params = SamplingParams(temperature=0.0, max_tokens=2)

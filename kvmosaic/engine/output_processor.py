@@ -9,6 +9,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from tokenizers.decoders import DecodeStream
+
 from .sequence import Sequence
 
 
@@ -80,7 +82,7 @@ class OutputProcessor:
             seq.output_text = self.detokenize(seq.output_token_ids[:-1], p.skip_special_tokens)
             return
         checked = len(seq.output_text)
-        seq.output_text = self.detokenize(seq.output_token_ids, p.skip_special_tokens)
+        seq.output_text = self._text_so_far(seq)
         for stop in (p.stop if len(seq.output_token_ids) > p.min_tokens else ()):  # vLLM: none before min_tokens
             # Only the new tail can hold a new match: the text before it was checked already.
             idx = seq.output_text.find(stop, max(0, checked - len(stop) + 1))
@@ -91,9 +93,29 @@ class OutputProcessor:
                 return
         if len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             seq.finish_reason = "length"
+            # the whole text once: what the stream still held back (an incomplete character) included
+            seq.output_text = self.detokenize(seq.output_token_ids, p.skip_special_tokens)
 
     def detokenize(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def _text_so_far(self, seq: Sequence) -> str:
+        """The output's text, decoded incrementally: each step feeds the new token to the fast
+        tokenizer's ``DecodeStream`` (O(1) a token, where decoding every id again was O(n)). Its
+        text equals ``detokenize`` of the ids but for a trailing incomplete character, which the
+        stream holds back until the token that completes it; a finished sequence is decoded whole
+        once. State on the sequence; rebuilt from the ids if they did not grow by exactly one."""
+        ids, skip = seq.output_token_ids, seq.params.skip_special_tokens
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
+            return self.detokenize(ids, skip)
+        stream, fed, text = seq.detokenizer or (None, 0, "")
+        if stream is None or fed != len(ids) - 1:
+            stream, fed, text = DecodeStream(skip_special_tokens=skip), 0, ""
+        for token in ids[fed:]:
+            text += stream.step(backend, token) or ""
+        seq.detokenizer = (stream, len(ids), text)
+        return text
 
     @staticmethod
     def make_output(seq: Sequence, error: str | None = None, error_reason: str | None = None) -> RequestOutput:

@@ -53,6 +53,8 @@ class Sequence:
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: str | int | None = None
     output_text: str = ""
+    # The incremental detokenizer's state (output_processor.py): (decode stream, ids fed, text).
+    detokenizer: tuple | None = field(default=None, repr=False, compare=False)
     generator: torch.Generator | None = None  # seeded sampling; made on the logits' device
     # Segment reuse: spans still to blend (None: ordinary prefill), tokens served from the
     # segment store, and how many leading tokens are exact enough to index as a prefix.
