@@ -103,8 +103,9 @@ class OutputProcessor:
         """The output's text, decoded incrementally: each step feeds the new token to the fast
         tokenizer's ``DecodeStream`` (O(1) a token, where decoding every id again was O(n)). Its
         text equals ``detokenize`` of the ids but for a trailing incomplete character, which the
-        stream holds back until the token that completes it; a finished sequence is decoded whole
-        once. State on the sequence; rebuilt from the ids if they did not grow by exactly one."""
+        stream holds back until the token that completes it; a sequence that ends by length or a
+        stop token is decoded whole once (check_stop). State on the sequence; rebuilt from the ids
+        if they did not grow by exactly one."""
         ids, skip = seq.output_token_ids, seq.params.skip_special_tokens
         backend = getattr(self.tokenizer, "backend_tokenizer", None)
         if backend is None:
