@@ -65,6 +65,7 @@ class OutputProcessor:
     def __init__(self, tokenizer, eos_token_id: int | None, max_model_len: int,
                  extra_eos_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.backend = getattr(tokenizer, "backend_tokenizer", None)  # a fast tokenizer's: incremental decoding
         self.eos_token_id = eos_token_id
         # every id that ends a generation as EOS does (the model's generation_config.json)
         self.eos_ids = frozenset((() if eos_token_id is None else (eos_token_id,)) + tuple(extra_eos_ids))
@@ -107,14 +108,13 @@ class OutputProcessor:
         stop token is decoded whole once (check_stop). State on the sequence; rebuilt from the ids
         if they did not grow by exactly one."""
         ids, skip = seq.output_token_ids, seq.params.skip_special_tokens
-        backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if backend is None:
+        if self.backend is None:
             return self.detokenize(ids, skip)
         stream, fed, text = seq.detokenizer or (None, 0, "")
         if stream is None or fed != len(ids) - 1:
             stream, fed, text = DecodeStream(skip_special_tokens=skip), 0, ""
         for token in ids[fed:]:
-            text += stream.step(backend, token) or ""
+            text += stream.step(self.backend, token) or ""
         seq.detokenizer = (stream, len(ids), text)
         return text
 

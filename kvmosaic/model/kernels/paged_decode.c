@@ -62,14 +62,11 @@ static inline __attribute__((always_inline)) float softmax_tile(float *scores, i
     return correction;
 }
 
-/* One (sequence, kv head): the group's queries over the sequence's slots. Inlined into one copy
- * per head size (see paged_decode_attention), so the loops over ``dim`` have a constant trip
- * count. */
-static inline __attribute__((always_inline)) void attend_one(
-    const float *q, const void *k_pool, const void *v_pool, int kv_bf16, const int64_t *seq_slots, int64_t len,
-    int64_t kv_heads, const int64_t dim, int64_t g, int64_t group, float scale, float *out, float *lse) {
-    float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], s[MAX_GROUP * TILE];
-    float row[MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
+/* The online softmax's start for a group's query rows: scaled queries, zero accumulators, an
+ * empty running max and sum. */
+static inline __attribute__((always_inline)) void start_rows(const float *q, float scale, int64_t group,
+                                                             const int64_t dim, float *qs, float *acc, float *m,
+                                                             float *l) {
     for (int64_t i = 0; i < group * dim; ++i) {
         qs[i] = q[i] * scale;
         acc[i] = 0.0f;
@@ -78,6 +75,28 @@ static inline __attribute__((always_inline)) void attend_one(
         m[r] = -3.0e38f;
         l[r] = 0.0f;
     }
+}
+
+/* Its end: out [group, D] = acc / sum, lse = max + log(sum). */
+static inline __attribute__((always_inline)) void finish_rows(const float *acc, const float *m, const float *l,
+                                                              int64_t group, const int64_t dim, float *out,
+                                                              float *lse) {
+    for (int64_t r = 0; r < group; ++r) {
+        const float inv = 1.0f / l[r];
+        for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = acc[r * dim + d] * inv;
+        lse[r] = m[r] + logf(l[r]);
+    }
+}
+
+/* One (sequence, kv head): the group's queries over the sequence's slots. Inlined into one copy
+ * per head size (see paged_decode_attention), so the loops over ``dim`` have a constant trip
+ * count. */
+static inline __attribute__((always_inline)) void attend_one(
+    const float *q, const void *k_pool, const void *v_pool, int kv_bf16, const int64_t *seq_slots, int64_t len,
+    int64_t kv_heads, const int64_t dim, int64_t g, int64_t group, float scale, float *out, float *lse) {
+    float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], s[MAX_GROUP * TILE];
+    float row[MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
+    start_rows(q, scale, group, dim, qs, acc, m, l);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
@@ -106,11 +125,7 @@ static inline __attribute__((always_inline)) void attend_one(
             }
         }
     }
-    for (int64_t r = 0; r < group; ++r) {
-        const float inv = 1.0f / l[r];
-        for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = acc[r * dim + d] * inv;
-        lse[r] = m[r] + logf(l[r]);
-    }
+    finish_rows(acc, m, l, group, dim, out, lse);
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
@@ -221,14 +236,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2_f32(
     float qs[MAX_GROUP * MAX_DIM] __attribute__((aligned(32))), acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
     float s[MAX_GROUP * TILE] __attribute__((aligned(32))), m[MAX_GROUP], l[MAX_GROUP];
     const float *rows[TILE];
-    for (int64_t i = 0; i < group * dim; ++i) {
-        qs[i] = q[i] * scale;
-        acc[i] = 0.0f;
-    }
-    for (int64_t r = 0; r < group; ++r) {
-        m[r] = -3.0e38f;
-        l[r] = 0.0f;
-    }
+    start_rows(q, scale, group, dim, qs, acc, m, l);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
@@ -277,11 +285,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2_f32(
             }
         }
     }
-    for (int64_t r = 0; r < group; ++r) {
-        const float inv = 1.0f / l[r];
-        for (int64_t d = 0; d < dim; ++d) out[r * dim + d] = acc[r * dim + d] * inv;
-        lse[r] = m[r] + logf(l[r]);
-    }
+    finish_rows(acc, m, l, group, dim, out, lse);
 }
 
 /* attend_one_avx2_f32 with a constant head size and group, where they are common ones. */
