@@ -5,8 +5,9 @@
   both sum in float32, in another order), greedy tokens part only at near ties (float32: equal),
   and it is no further from transformers' float32 than the layer-by-layer path is.
 * A row's result does not depend on the rest of the batch: bit for bit the same alone.
-* It declines what it does not compute (quantized weights, prefills in the step, cascade groups,
-  ``KVMOSAIC_FUSED_DECODE=0``), and those steps run layer by layer.
+* It declines what it does not compute (int8 weights, GGUF Q4_1 ones in bfloat16, prefills in the
+  step, cascade groups, ``KVMOSAIC_FUSED_DECODE=0``), and those steps run layer by layer.
+* In float32 it computes on a GGUF's Q4_1 blocks (``quantization="gguf"``) as the layer path does.
 * Both dtypes: bfloat16 (AVX512-BF16) and float32 (AVX-512, or AVX2 with FMA).
 """
 
@@ -117,9 +118,9 @@ def test_fused_greedy_matches_layer_by_layer_and_is_as_close_to_float32(dtype, m
     assert max(fused) <= 1.25 * max(layer) + floor
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, monkeypatch):
-    llm = _fused_llm(dtype, num_kv_blocks=128)
+@pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", None), ("float32", "gguf")])
+def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, monkeypatch):
+    llm = _fused_llm(dtype, num_kv_blocks=128, quantization=quantization)
     checked = []
 
     def check_rows(fused, x, positions, kv, meta):
@@ -148,12 +149,28 @@ def _served_any(llm, monkeypatch) -> bool:
 
 
 @pytest.mark.parametrize("kwargs", [{"quantization": "int8"}, {"quantization": "gguf"}],
-                         ids=["int8-weights", "gguf-q4-weights"])
+                         ids=["int8-weights", "gguf-q4-weights-bfloat16"])
 def test_declines_what_it_does_not_compute(kwargs, monkeypatch):
     _fused_llm()  # skips where the fused step does not exist at all
     llm = make_llm(**{"dtype": "bfloat16", **kwargs})
     assert FusedDecode.for_model(llm.engine.model) is None
     assert not _served_any(llm, monkeypatch)
+
+
+def test_gguf_q4_1_weights_in_float32_are_fused_and_match_the_layer_path(monkeypatch):
+    """The fused step on a GGUF's Q4_1 blocks (and the Q8_0 head): greedy tokens equal to the layer
+    path's (kernels/q4_1_matmul.c), logits within float32 summation-order noise, a row alone the
+    same bits as in its batch."""
+    llm = _fused_llm("float32", quantization="gguf", num_kv_blocks=256)
+    prompts = _prompts(llm.tokenizer)
+    served = _count_fused_steps(llm.engine.model, monkeypatch)
+    fused_tokens, fused_logits = _greedy(llm, prompts)
+    assert served[0] >= 15
+    llm.reset_prefix_cache()
+    monkeypatch.setattr(llm.engine.model, "fused_decode", lambda kv, meta: None)
+    layer_tokens, layer_logits = _greedy(llm, prompts)
+    assert fused_tokens == layer_tokens
+    assert_greedy_within(FUSED_LOGIT_TOL["float32"], layer_tokens, fused_tokens, layer_logits, fused_logits)
 
 
 def test_turned_off_by_the_environment(monkeypatch):

@@ -1,6 +1,7 @@
-"""quantization="gguf" (model/quant_gguf.py, kernels/q4_1_matmul.c): the file's own Q4_1 blocks,
-exactly the float model's weights; the kernel against its torch reference, batch invariant; the
-engine against the float model on the same weights; its own cache identity; cache on == off."""
+"""quantization="gguf" (model/quant_gguf.py, kernels/q4_1_matmul.c, q8_0_matmul.c): the file's own
+Q4_1 blocks (and its Q8_0 LM head in float32), exactly the float model's weights; the kernels against
+their torch references, batch invariant; the engine against the float model on the same weights;
+its own cache identity; cache on == off."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from kvmosaic import SamplingParams
 from kvmosaic.bench.quant import chat_prompts, quality
 from kvmosaic.model import build_model, kernels
 from kvmosaic.model.loader import LoadedWeights, load_weights, shipped_model_path
-from kvmosaic.model.quant_gguf import GEMV_MAX_ROWS, Q4_1Linear
+from kvmosaic.model.quant_gguf import GEMV_MAX_ROWS, Q4_1Linear, Q8_0Head
 from tests.conftest import make_llm
 
 needs_kernel = pytest.mark.skipif(not kernels.q4_1_available(), reason="no Q4_1 kernel here (no C compiler?)")
@@ -103,6 +104,33 @@ def test_refuses_weights_without_q4_1_blocks():
         build_model(no_q4, torch.float32, "cpu", "gguf")
 
 
+def random_q8_0_blocks(out: int, inf: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    nb = inf // kernels.Q4_1_BLOCK
+    blocks = torch.randint(0, 256, (out, nb, kernels.Q8_0_BYTES), generator=g, dtype=torch.uint8)
+    blocks[..., 0:2] = (torch.rand(out, nb, 1, generator=g) * 0.004).half().view(torch.uint8)
+    return blocks.reshape(out, -1).contiguous()
+
+
+def test_q8_0_reference_dequantizes_as_gguf_py_does():
+    from gguf import GGMLQuantizationType, dequantize
+
+    blocks = random_q8_0_blocks(40, 256, seed=6)
+    want = dequantize(blocks.numpy(), GGMLQuantizationType.Q8_0).astype(np.float32)
+    assert torch.equal(kernels.q8_0_reference(kernels.q8_0_split(blocks)), torch.from_numpy(want))
+
+
+@pytest.mark.skipif(not kernels.q8_0_available(), reason="no Q8_0 kernel here (no C compiler?)")
+def test_q8_0_kernel_matches_the_reference_and_a_row_does_not_depend_on_the_others():
+    split = kernels.q8_0_split(random_q8_0_blocks(301, 576, seed=7))  # 301: a last tile of one channel
+    x = torch.randn(13, 576, generator=torch.Generator().manual_seed(8))
+    got, want = kernels.q8_0_matmul(split, x), x @ kernels.q8_0_reference(split).T
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+    for i in range(13):
+        assert torch.equal(kernels.q8_0_matmul(split, x[i : i + 1])[0], got[i])
+    assert torch.equal(kernels.q8_0_matmul(split, x[3:8]), got[3:8])
+
+
 @pytest.fixture(scope="module")
 def engines():
     return make_llm(), make_llm(quantization="gguf")
@@ -115,7 +143,10 @@ def test_gguf_has_its_own_cache_identity(engines):
     assert q.engine.model_info.fingerprint.endswith("+gguf-weight-only")
     layer = q.engine.model.layers[0]
     assert isinstance(layer.qkv_proj, Q4_1Linear) and isinstance(layer.down_proj, Q4_1Linear)
-    assert q.engine.model.head_proj is None or not isinstance(q.engine.model.head_proj, Q4_1Linear)  # Q8_0 head
+    head = q.engine.model.head_proj  # the shipped head is Q8_0: on its blocks in float32 where the kernel is
+    assert isinstance(head, Q8_0Head) == kernels.q8_0_available()
+    if isinstance(head, Q8_0Head):
+        assert head.dense.data_ptr() == q.engine.model.output_weight.data_ptr()  # shared, not a copy
     assert shipped_model_path().endswith("Q4_1.gguf")
 
 

@@ -9,7 +9,9 @@ exactly as the layer-by-layer path does, up to float32 summation order in the pr
 * bfloat16 weights and pool on a CPU with AVX512-BF16, or float32 on one with AVX-512 or AVX2 (the C
   function says so at its first call);
 * plain Llama layers: no Q/K/V bias, no q/k norms, no sliding window or soft-capping, SiLU,
-  full rotary, plain (or oneDNN-packed) projections: not int8 or GGUF ones;
+  full rotary, plain (or oneDNN-packed) projections, or in float32 a GGUF's Q4_1 ones
+  (``quantization="gguf"``: the same sums as the layer path's Q4_1 kernel, ``kernels/q4_1_avx2.h``);
+  not int8 ones;
 * a step whose every token is a decode, with no shared-prefix (cascade) groups.
 
 Anything else runs the layer-by-layer path. ``KVMOSAIC_FUSED_DECODE=0`` turns it off (as
@@ -28,6 +30,7 @@ from torch import nn
 from . import kernels
 from .attention import AttentionMetadata, PagedKV
 from .packed_linear import PackedLinear
+from .quant_gguf import Q4_1Linear, Q8_0Head
 
 log = logging.getLogger("kvmosaic")
 
@@ -37,14 +40,19 @@ PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 DTYPES = (torch.bfloat16, torch.float32)
 
 
-def _plain_weight(module: nn.Module, dtype: torch.dtype) -> torch.Tensor | None:
-    """The ``[out, in]`` weight in ``dtype`` of a bias-free plain or packed projection, else None."""
+def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
+    """What the C step reads of a projection, as its ``(w, d, m)`` pointers: the ``[out, in]``
+    weight in ``dtype`` of a bias-free plain or packed projection (d, m none), or in float32 the
+    Q4_1 blocks of a GGUF projection (``quant_gguf.Q4_1Linear``: nibbles, scales, minima); else None."""
+    if type(module) is Q4_1Linear:
+        ok = dtype == torch.float32 and module.gemv and module.qs.device.type == "cpu"
+        return (module.qs, module.d, module.m) if ok else None
     if type(module) is nn.Linear and module.bias is not None:
         return None
     if type(module) not in (nn.Linear, PackedLinear):
         return None
     w = module.weight
-    return w if w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu" else None
+    return (w,) if w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu" else None
 
 
 class FusedDecode:
@@ -53,7 +61,8 @@ class FusedDecode:
     def __init__(self, model: nn.Module, weights: list[torch.Tensor], dtype: torch.dtype) -> None:
         cfg = model.config
         self.model, self.dtype = model, dtype
-        self.weights = weights  # [layer][qkv, o, gate_up, down, norm1, norm2], kept alive
+        # [layer][(w, d, m) of qkv, o, gate_up, down, norm1, norm2]: the C step's pointers, kept alive
+        self.weights = weights
         self.shape = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim)
         self.eps, self.scale = float(cfg.rms_norm_eps), float(model.layers[0].scale)
@@ -77,11 +86,13 @@ class FusedDecode:
             if type(layer) is not DecoderLayer or layer.qkv_bias is not None or layer.q_norm is not None \
                     or layer.window is not None or layer.softcap is not None or layer.scale != model.layers[0].scale:
                 return None
-            tensors = [_plain_weight(getattr(layer, name), dtype) for name in PROJECTIONS]
+            projections = [_projection_weight(getattr(layer, name), dtype) for name in PROJECTIONS]
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
-            if any(t is None for t in tensors) or any(type(n) is not RMSNorm or n.weight.dtype != dtype for n in norms):
+            if any(p is None for p in projections) or any(type(n) is not RMSNorm or n.weight.dtype != dtype
+                                                           for n in norms):
                 return None
-            weights.append([*tensors, *(n.weight.detach().contiguous() for n in norms)])
+            pointers = [t for p in projections for t in (*p, None, None)[:3]]
+            weights.append([*pointers, *(n.weight.detach().contiguous() for n in norms)])
         fused = cls(model, weights, dtype)
         rc = fused._run(None, 0, *[None] * 6, 1)
         if rc != 0:
@@ -102,7 +113,8 @@ class FusedDecode:
         engine's pool can begin where a freed one of another size began (tests/test_fused_decode.py)."""
         addresses = tuple(t.data_ptr() for pair in zip(kv.k, kv.v) for t in pair)
         if self._pointers is None or self._pointers[0] != addresses:
-            flat = [t.data_ptr() for layer, (k, v) in zip(self.weights, zip(kv.k, kv.v)) for t in (*layer, k, v)]
+            flat = [None if t is None else t.data_ptr()
+                    for layer, (k, v) in zip(self.weights, zip(kv.k, kv.v)) for t in (*layer, k, v)]
             self._pointers = (addresses, (ctypes.c_void_p * len(flat))(*flat))
         return self._pointers[1]
 
@@ -126,6 +138,8 @@ class FusedDecode:
         the batch), twice as fast as torch's float32 GEMV here; in bfloat16 oneDNN's packed head
         is faster than the C one (1.4 vs 1.9 ms, measured), so ``compute_logits`` runs, as it
         does where the C function declines."""
+        if type(self.model.head_proj) is Q8_0Head:  # gguf: the head on its Q8_0 blocks, every row alone
+            return self.model.head_proj.rows(self.model.norm(hidden).contiguous())
         w = self.model.output_weight
         if self.dtype != torch.float32 or w.dtype != self.dtype or not w.is_contiguous():
             return self.model.compute_logits(hidden)

@@ -4,7 +4,7 @@ Every loader returns a :class:`LoadedWeights`: the config, a dict of float32 ten
 Hugging Face names (so one model class reads them all, every family of ``families.py``), the folder and file that a
 tokenizer is read from, and a fingerprint of the weights that seeds the block hash chain.
 Nothing is downloaded. Asked to (``keep_q4_1=True``, for ``quantization="gguf"``), the GGUF
-loader also keeps each Q4_1 tensor's raw blocks, rows permuted as the float rows are.
+loader also keeps each Q4_1 and Q8_0 tensor's raw blocks, rows permuted as the float rows are.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ class LoadedWeights:
     # the blocks of ``tensors[name][i]`` (quant_gguf.py)
     q4_1_blocks: dict[str, torch.Tensor] | None = None
     formats: dict[str, str] | None = None  # keep_q4_1 only: HF name -> the GGUF type it is stored in
+    # keep_q4_1 only: the same for the tensors stored as Q8_0 ([out, in / 32 * 34]; the shipped
+    # file's embedding / tied LM head)
+    q8_0_blocks: dict[str, torch.Tensor] | None = None
 
 
 def shipped_model_path() -> str:
@@ -115,6 +118,7 @@ def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
     cfg = ModelConfig.from_hf_dict(gguf_arch.hf_config(fields, "output.weight" in names))  # refuses first
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, torch.Tensor] = {}
+    q8_blocks: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":  # llama.cpp's Llama 3.1+ scaling: per-frequency divisors
@@ -124,7 +128,8 @@ def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
         if hf is None:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        raw = t.data if keep_q4_1 and t.tensor_type == GGMLQuantizationType.Q4_1 else None
+        kept = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
+        raw = t.data if keep_q4_1 and t.tensor_type in kept else None
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads
             w = _unpermute_rope(w, heads)
@@ -132,13 +137,15 @@ def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
         if keep_q4_1:
             formats[hf] = t.tensor_type.name
         if raw is not None:
-            blocks[hf] = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
+            into = blocks if t.tensor_type == GGMLQuantizationType.Q4_1 else q8_blocks
+            into[hf] = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
         w = gguf_arch.unfold_norm(arch, hf, w)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     name = SHIPPED_NAME if path.name == SHIPPED_FILE else path.stem
     stops = tuple(int(fields[k]) for k in STOP_FIELDS if fields.get(k) is not None)
     return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name, stops,
-                         blocks if keep_q4_1 else None, formats if keep_q4_1 else None)
+                         blocks if keep_q4_1 else None, formats if keep_q4_1 else None,
+                         q8_blocks if keep_q4_1 else None)
 
 
 # ---- safetensors ------------------------------------------------------------------------

@@ -21,8 +21,10 @@ Which kernel runs depends on the rows in the step:
 
 The two agree up to the compute dtype's rounding of the weights (bfloat16: 8 bits), so the model
 as a whole is not the default-path model: its distance from it is measured, not assumed
-(``python -m kvmosaic.bench.quant``, BENCHMARKS.md). Tensors stored in another GGUF format (the
-shipped file's embedding / tied LM head is Q8_0) keep the default path; the log says which. The
+(``python -m kvmosaic.bench.quant``, BENCHMARKS.md). An LM head stored as Q8_0 (the shipped
+file's tied embedding) computes on its blocks in float32 models (:class:`Q8_0Head`: exactly the
+float weights, a quarter of the bytes); tensors in other GGUF formats, and a Q8_0 head in
+bfloat16, keep the default path; the log says which. The
 quantization is part of the model's identity (``quant.quantized_fingerprint``), so its KV never
 meets float KV in the prefix cache or a storage tier (docs/ARCHITECTURE.md).
 """
@@ -90,6 +92,36 @@ class Q4_1Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, gemv={self.gemv}"
 
 
+class Q8_0Head(nn.Module):
+    """The LM head over a GGUF's Q8_0 blocks (the shipped file's tied embedding), float32 models
+    only: ``w = d * q`` is exactly the float32 weight, so up to :data:`GEMV_MAX_ROWS` rows read
+    its 1.06 bytes a weight (``q8_0_matmul.c``) instead of 4; more rows (a prefill batch's last
+    tokens) take torch's GEMM on the dense weight the model keeps anyway (its embedding table).
+    Output: float32 logits."""
+
+    def __init__(self, blocks: torch.Tensor, dense: torch.Tensor) -> None:
+        super().__init__()
+        split = kernels.q8_0_split(blocks)
+        if split.qs.shape != dense.shape or not torch.equal(kernels.q8_0_reference(split), dense.detach()):
+            raise ValueError("gguf: the LM head's Q8_0 blocks do not dequantize to the loaded weight")
+        self.register_buffer("qs", split.qs)
+        self.register_buffer("d", split.d)
+        self.dense = dense.detach()  # the model's weight (tied embedding or lm_head): shared, not a copy
+
+    @staticmethod
+    def serves(dense: torch.Tensor) -> bool:
+        return dense.dtype == torch.float32 and dense.device.type == "cpu" and kernels.q8_0_available()
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernel for any number of rows (each on its own: the fused step's batch-invariant head)."""
+        return kernels.q8_0_matmul(kernels.Q8_0Weights(self.qs, self.d), x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self.rows(x)
+        return F.linear(x, self.dense).float()
+
+
 def _blocks_of(weights: LoadedWeights, fused: str, parts: tuple[str, ...]) -> torch.Tensor | None:
     """The Q4_1 blocks of a (fused) projection, rows in the order the model concatenates them;
     None when any part is stored in another format."""
@@ -139,6 +171,9 @@ def quantize_gguf(model: nn.Module, weights: LoadedWeights) -> int:
     if head_name in weights.q4_1_blocks:
         model.head_proj = _checked(Q4_1Linear(weights.q4_1_blocks[head_name], model.output_weight.shape[1], logits=True),
                                    model.output_weight, "LM head")
+        count += 1
+    elif head_name in (weights.q8_0_blocks or {}) and Q8_0Head.serves(model.output_weight):
+        model.head_proj = Q8_0Head(weights.q8_0_blocks[head_name], model.output_weight)
         count += 1
     else:
         kept[head_name + " (LM head)"] = (weights.formats or {}).get(head_name, "?")

@@ -42,10 +42,10 @@ import torch
 log = logging.getLogger("kvmosaic")
 
 SOURCES = [Path(__file__).with_name(name)
-           for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "decode_step.c", "prefill_attention.c",
-                        "prefill_attention_avx2.c")]
+           for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "q8_0_matmul.c", "decode_step.c",
+                        "prefill_attention.c", "prefill_attention_avx2.c")]
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h")]
+           for name in ("bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h", "q4_1_avx2.h")]
 # No FMA contraction: a * b + c rounds the product as torch's separate operators do.
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off"]
@@ -104,6 +104,7 @@ def _library() -> ctypes.CDLL | None:
         "silu_mul": (None, [ptr, i64, ptr, i64, i64, i32, i32]),
         "q4_1_matmul": (i32, [ptr] * 4 + [i32, i64, i64, i64, ptr, i32, i32]),
         "q4_1_dequantize": (i32, [ptr] * 3 + [i64, i64, ptr, i32, i32]),
+        "q8_0_matmul": (i32, [ptr] * 3 + [i64] * 3 + [ptr, i32]),
         "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, i32, i32]),
         "linear_rows": (i32, [ptr, i64, i64, ptr, i64, ptr, i32, i32]),
         "prefill_attention": (i32, [ptr] * 5 + [i64] * 5 + [f32, ptr, i32]),
@@ -331,3 +332,66 @@ def q4_1_dequantize(w: Q4_1Weights, dtype: torch.dtype) -> torch.Tensor:
     """The dense ``[out, in]`` weight in ``dtype`` (float32 or bfloat16), equal to
     :func:`q4_1_reference` rounded to ``dtype``. Call only where :func:`q4_1_available`."""
     return _q4_1_dequantize(_library(), w, dtype)
+
+
+# ---- Q8_0 (quantization="gguf": the shipped file's embedding / tied LM head) ----------------
+
+Q8_0_BYTES = 34  # bytes per block of 32 weights (fp16 d, 32 int8 q)
+
+
+class Q8_0Weights(NamedTuple):
+    """A GGUF Q8_0 tensor ``[out, in]`` split for the kernel, exactly: ``qs`` int8 ``[out, in]``,
+    ``d`` float32 ``[out, in / 32]`` (the blocks' float16 scales, widened)."""
+
+    qs: torch.Tensor
+    d: torch.Tensor
+
+
+def q8_0_split(blocks: torch.Tensor) -> Q8_0Weights:
+    """Split Q8_0 ``blocks`` ``[out, in / 32 * 34]`` (uint8, as a GGUF file stores them)."""
+    out = blocks.shape[0]
+    b = blocks.reshape(out, -1, Q8_0_BYTES)
+    d = b[..., 0:2].contiguous().view(torch.float16).float().reshape(out, -1)
+    return Q8_0Weights(b[..., 2:].contiguous().view(torch.int8).reshape(out, -1), d.contiguous())
+
+
+def q8_0_reference(w: Q8_0Weights) -> torch.Tensor:
+    """The float32 ``[out, in]`` weights: ``d * q``, exact."""
+    out = w.qs.shape[0]
+    return (w.d[..., None] * w.qs.reshape(out, -1, Q4_1_BLOCK).float()).reshape(out, -1)
+
+
+def _q8_0_matmul(lib: ctypes.CDLL, w: Q8_0Weights, x: torch.Tensor) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], w.qs.shape[0], dtype=torch.float32)
+    if lib.q8_0_matmul(w.qs.data_ptr(), w.d.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], w.qs.shape[0],
+                       y.data_ptr(), torch.get_num_threads()) != 0:
+        raise ValueError(f"q8_0_matmul: unsupported shape in={x.shape[1]}")
+    return y
+
+
+@functools.cache
+def q8_0_available() -> bool:
+    """Whether the Q8_0 kernel is built here and agrees with :func:`q8_0_reference` (within float32
+    summation-order noise, each row alone equal to the batch)."""
+    lib = _library()
+    if lib is None:
+        return False
+    g = torch.Generator().manual_seed(0)
+    out, inf = 70, 96
+    blocks = torch.randint(0, 256, (out, inf // Q4_1_BLOCK, Q8_0_BYTES), generator=g, dtype=torch.uint8)
+    blocks[..., 0:2] = (torch.rand(out, inf // Q4_1_BLOCK, 1, generator=g) * 0.01).half().view(torch.uint8)
+    w = q8_0_split(blocks.reshape(out, -1))
+    x = torch.randn(9, inf, generator=g)
+    y, want = _q8_0_matmul(lib, w, x), x @ q8_0_reference(w).T
+    alone = torch.cat([_q8_0_matmul(lib, w, x[i : i + 1]) for i in range(9)])
+    if not (torch.allclose(y, want, rtol=1e-4, atol=1e-5 * float(want.abs().max())) and torch.equal(y, alone)):
+        log.warning("Q8_0 kernel disagrees with its torch reference here; the gguf LM head stays dense")
+        return False
+    return True
+
+
+def q8_0_matmul(w: Q8_0Weights, x: torch.Tensor) -> torch.Tensor:
+    """Float32 ``x`` ``[rows, in]`` (CPU) times the transposed Q8_0 weight: ``[rows, out]`` float32
+    (numerics: ``q8_0_matmul.c``). Call only where :func:`q8_0_available`."""
+    return _q8_0_matmul(_library(), w, x)

@@ -22,6 +22,14 @@
 
 #include "elementwise.h"
 #include "paged_decode.h"
+#include "q4_1_avx2.h"
+
+/* A projection's weight: rows in the step's dtype (d NULL), or a GGUF's Q4_1 blocks (w the
+ * nibbles, d and m the scales and minima widened; kernels/__init__.py's Q4_1Weights), float32 only. */
+typedef struct {
+    const void *w;
+    const float *d, *m;
+} Weight;
 
 /* float32 needs AVX-512, or AVX2 with FMA (8 lanes: a tile of fewer rows, so that the accumulators,
  * weight vectors and x fit the 16 ymm registers); bfloat16 needs AVX512-BF16. */
@@ -35,7 +43,7 @@
 #else
 #define ROWS 2
 #endif
-#define PER_LAYER 8 /* pointers per layer: see decode_step */
+#define PER_LAYER 16 /* pointers per layer: see decode_step */
 #define PF_TILES 4 /* prefetch the weight rows this many tiles ahead: ~2-4% over one (measured, AVX2 EPYC) */
 
 #if defined(__AVX512F__)
@@ -85,6 +93,48 @@ INLINE void dot_tile_f32(const float *w, int64_t in, const float *x, int64_t x_s
     }
     for (int r = 0; r < nr; ++r)
         for (int c = 0; c < CHANNELS; ++c) out[r][c] = sum8(acc[r][c]);
+}
+#endif
+
+#if defined(Q4_1_AVX2)
+/* The Q4_1 counterparts of project and gate_up_silu (float32; q4_1_avx2.h's sums, which the layer
+ * path's q4_1_matmul runs too). xsum: this thread's [batch, in / 32] buffer for x's block sums. */
+static void project_q4_1(Weight w, int64_t in, int64_t out, const float *x, int64_t batch, float *y, float *xsum) {
+    const int64_t nblocks = in / 32;
+    q4_1_block_sums(x, in, batch, in, xsum);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < out / Q4_1_TILE_CHANNELS; ++t) {
+        const int64_t o = t * Q4_1_TILE_CHANNELS;
+        for (int64_t r0 = 0; r0 < batch; r0 += Q4_1_TILE_ROWS) {
+            const int nr = batch - r0 < Q4_1_TILE_ROWS ? (int)(batch - r0) : Q4_1_TILE_ROWS;
+            float dots[Q4_1_TILE_ROWS][Q4_1_TILE_CHANNELS];
+            q4_1_tile((const uint8_t *)w.w + o * nblocks * 16, w.d + o * nblocks, w.m + o * nblocks, nblocks,
+                      x + r0 * in, in, xsum + r0 * nblocks, nr, Q4_1_TILE_CHANNELS, dots);
+            for (int r = 0; r < nr; ++r)
+                for (int c = 0; c < Q4_1_TILE_CHANNELS; ++c) y[(r0 + r) * out + o + c] = dots[r][c];
+        }
+    }
+}
+
+static void gate_up_silu_q4_1(Weight w, int64_t in, int64_t inter, const float *x, int64_t batch, float *act,
+                              float *xsum) {
+    const int64_t nblocks = in / 32, up = inter * nblocks;
+    q4_1_block_sums(x, in, batch, in, xsum);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < inter / Q4_1_TILE_CHANNELS; ++t) {
+        const int64_t o = t * Q4_1_TILE_CHANNELS;
+        const uint8_t *qs = (const uint8_t *)w.w + o * nblocks * 16;
+        for (int64_t r0 = 0; r0 < batch; r0 += Q4_1_TILE_ROWS) {
+            const int nr = batch - r0 < Q4_1_TILE_ROWS ? (int)(batch - r0) : Q4_1_TILE_ROWS;
+            float gate[Q4_1_TILE_ROWS][Q4_1_TILE_CHANNELS], u[Q4_1_TILE_ROWS][Q4_1_TILE_CHANNELS];
+            q4_1_tile(qs, w.d + o * nblocks, w.m + o * nblocks, nblocks, x + r0 * in, in, xsum + r0 * nblocks, nr,
+                      Q4_1_TILE_CHANNELS, gate);
+            q4_1_tile(qs + up * 16, w.d + up + o * nblocks, w.m + up + o * nblocks, nblocks, x + r0 * in, in,
+                      xsum + r0 * nblocks, nr, Q4_1_TILE_CHANNELS, u);
+            for (int r = 0; r < nr; ++r)
+                for (int c = 0; c < Q4_1_TILE_CHANNELS; ++c) act[(r0 + r) * inter + o + c] = silu(gate[r][c]) * u[r][c];
+        }
+    }
 }
 #endif
 
@@ -138,9 +188,11 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, const uint16_t *x, int6
 /* Runs every layer over ``batch`` decode tokens and leaves the final hidden state (the last
  * sublayer's output plus the residual stream, before the final norm) in ``stream``.
  *
- * layers: num_layers * 8 pointers, per layer: qkv [(H + 2 Hkv) D, hidden], o [hidden, H D],
- * gate_up [2 inter, hidden], down [hidden, inter] (the dtype, rows contiguous), input and
- * post-attention norm weights [hidden], the layer's K and V pools [num_slots, Hkv, D] (the dtype);
+ * layers: num_layers * 16 pointers, per layer: the projections qkv [(H + 2 Hkv) D, hidden], o [hidden,
+ * H D], gate_up [2 inter, hidden], down [hidden, inter] as three pointers each, (w, d, m): the rows
+ * in the dtype, contiguous, d and m NULL; or (float32 only) Q4_1 blocks, w the nibbles [out, in / 2],
+ * d and m [out, in / 32]; then the input and post-attention norm weights [hidden], the layer's K
+ * and V pools [num_slots, Hkv, D] (the dtype);
  * stream [batch, hidden] in the dtype: the embeddings in, the final hidden state out;
  * cos, signed_sin [batch, D] float32 (model/llama.py's tables at the tokens' positions);
  * slot_mapping [batch]: where each token's K/V goes; ctx_slots [batch, max_len] and lens [batch]:
@@ -158,6 +210,9 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
     if (group < 1 || heads % kv_heads || group > MAX_GROUP || dim > MAX_DIM || dim % 32 || hidden > MAX_HIDDEN
         || hidden % 32 || inter % 32 || q_width % 32 || qkv_width % CHANNELS || hidden % CHANNELS || inter % CHANNELS)
         return -1;
+    for (int64_t layer = 0; layers != NULL && layer < num_layers; ++layer)
+        for (int proj = 0; proj < 4; ++proj)
+            if (layers[layer * PER_LAYER + 3 * proj + 1] != NULL && bf16) return -1; /* Q4_1 blocks: float32 only */
     if (bf16) {
 #if defined(__AVX512BF16__)
         return batch == 0 ? 0 : decode_step_bf16(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
@@ -192,10 +247,10 @@ int linear_rows(const void *w, int64_t in, int64_t out, const void *x, int64_t b
     {
 #if defined(__AVX512BF16__)
         if (bf16)
-            project_bf16(w, in, out, x, batch, y);
+            project_rows_bf16(w, in, out, x, batch, y);
         else
 #endif
-            project_f32(w, in, out, x, batch, y);
+            project_rows_f32(w, in, out, x, batch, y);
     }
     return 0;
 #else

@@ -15,7 +15,7 @@ static void NAME(dots)(const ELEM *w, int64_t in, const ELEM *x, int64_t x_strid
 
 /* y [batch, out] = x [batch, in] @ w [out, in]^T (rounded to the dtype); channel tiles shared out among the
  * team (called inside the parallel region; ends with the team's barrier). */
-static void NAME(project)(const ELEM *w, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y) {
+static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y) {
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < out / CHANNELS; ++t) {
         for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
@@ -28,10 +28,31 @@ static void NAME(project)(const ELEM *w, int64_t in, int64_t out, const ELEM *x,
     }
 }
 
+/* project_rows for a Weight: dense rows, or (float32) Q4_1 blocks; xsum: this thread's block-sum buffer. */
+static void NAME(project)(Weight w, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y, float *xsum) {
+#if !IS_BF16 && defined(Q4_1_AVX2)
+    if (w.d != NULL) {
+        project_q4_1(w, in, out, x, batch, y, xsum);
+        return;
+    }
+#endif
+    (void)xsum;
+    NAME(project_rows)(w.w, in, out, x, batch, y);
+}
+
 /* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
  * the dtype first, silu (elementwise.h's, as the layer path's) and the product too (w [2 * inter,
- * in]: gate rows, then up rows). */
-static void NAME(gate_up_silu)(const ELEM *w, int64_t in, int64_t inter, const ELEM *x, int64_t batch, ELEM *act) {
+ * in]: gate rows, then up rows; dense, or Q4_1 blocks in float32). */
+static void NAME(gate_up_silu)(Weight weight, int64_t in, int64_t inter, const ELEM *x, int64_t batch, ELEM *act,
+                               float *xsum) {
+#if !IS_BF16 && defined(Q4_1_AVX2)
+    if (weight.d != NULL) {
+        gate_up_silu_q4_1(weight, in, inter, x, batch, act, xsum);
+        return;
+    }
+#endif
+    (void)xsum;
+    const ELEM *w = weight.w;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < inter / CHANNELS; ++t) {
         for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
@@ -74,7 +95,11 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
     if (first == NULL) return -3;
     paged_decode_tasks(lens, batch, kv_heads, first);
     const int64_t tasks = first[batch];
-    float *parts = malloc((size_t)(tasks * group * (dim + 1)) * sizeof(float)), *part_lse = parts + tasks * group * dim;
+    /* per thread: x's block sums for a Q4_1 projection, [batch, widest input / 32] */
+    const int64_t widest_in = inter > q_width ? inter : q_width; /* hidden <= either in Llama shapes, or: */
+    const int64_t sums_per_thread = batch * ((widest_in > hidden ? widest_in : hidden) / 32);
+    float *parts = malloc((size_t)(tasks * group * (dim + 1) + num_threads * sums_per_thread) * sizeof(float));
+    float *part_lse = parts + tasks * group * dim, *sums = part_lse + tasks * group;
     ELEM *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (scratch == NULL || parts == NULL) {
         free(scratch), free(parts), free(first);
@@ -88,6 +113,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         ELEM q_rot[MAX_GROUP * MAX_DIM];
         const int me = omp_get_thread_num(), team = omp_get_num_threads();
         ELEM *res = private_rows + (int64_t)me * 2 * rows, *h = res + rows;
+        float *xsum = sums + me * sums_per_thread;
         /* The residual stream lives in two shared buffers, read from one and written to the other
          * at each update: every thread adds the sublayer's output to the whole stream in its own
          * copy (and norms it there: no barrier), and writes back its share of the elements. The
@@ -97,8 +123,10 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         const int64_t share_lo = rows * me / team, share_hi = rows * (me + 1) / team;
         for (int64_t layer = 0; layer < num_layers; ++layer) {
             void *const *p = layers + layer * PER_LAYER;
-            const ELEM *w_qkv = p[0], *w_o = p[1], *w_gate_up = p[2], *w_down = p[3], *norm1 = p[4], *norm2 = p[5];
-            ELEM *k_pool = p[6], *v_pool = p[7];
+            const Weight w_qkv = {p[0], p[1], p[2]}, w_o = {p[3], p[4], p[5]}, w_gate_up = {p[6], p[7], p[8]},
+                         w_down = {p[9], p[10], p[11]};
+            const ELEM *norm1 = p[12], *norm2 = p[13];
+            ELEM *k_pool = p[14], *v_pool = p[15];
             if (layer == 0) {
                 for (int64_t b = 0; b < batch; ++b)
                     rms_norm_row(stream + b * hidden, NULL, norm1, h + b * hidden, hidden, eps, IS_BF16);
@@ -107,7 +135,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                              share_lo, share_hi);
                 ++updates;
             }
-            NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide);
+            NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < tasks; ++t) {
                 /* one chunk of one (row, kv head): the group's q heads rotated (a private copy: the
@@ -138,12 +166,12 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                     for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
                 }
             }
-            NAME(project)(w_o, q_width, hidden, attn, batch, delta);
+            NAME(project)(w_o, q_width, hidden, attn, batch, delta, xsum);
             NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm2, h, batch, hidden, eps,
                          share_lo, share_hi);
             ++updates;
-            NAME(gate_up_silu)(w_gate_up, hidden, inter, h, batch, wide);
-            NAME(project)(w_down, inter, hidden, wide, batch, delta);
+            NAME(gate_up_silu)(w_gate_up, hidden, inter, h, batch, wide, xsum);
+            NAME(project)(w_down, inter, hidden, wide, batch, delta, xsum);
         }
         const ELEM *last = buffers[updates % 2];
         for (int64_t i = share_lo; i < share_hi; ++i)

@@ -12,8 +12,9 @@
  *     gguf-py's dequantize, and so the float model, computes;
  *   - x is read as given (float32, or bfloat16 widened exactly), sums are float32, and a result
  *     is stored as float32 or rounded to bfloat16 (nearest even);
- *   - float32 x: y = sum over blocks and lanes of x * w (lane j: element j of every block,
- *     even and odd blocks apart under AVX-512, with fused multiply-add; lanes added at the end);
+ *   - float32 x under AVX-512: y = sum over blocks and lanes of x * w (lane j: element j of every
+ *     block, even and odd blocks apart, with fused multiply-add; lanes added at the end); under
+ *     AVX2 with FMA the regrouped sums of q4_1_avx2.h (the fused decode step's, bit for bit);
  *   - bfloat16 x on a CPU with AVX512-BF16: regrouped per block as
  *       y = sum_b d_b * (x_b . q_b) + sum_b m_b * (sum of x_b),
  *     x_b . q_b by VDPBF16PS (q <= 15 is exact in bfloat16, its products exact in float32).
@@ -26,6 +27,7 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "q4_1_avx2.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -153,6 +155,34 @@ static inline void channel_tile_bf16(const uint8_t *qs, const float *d, const fl
 }
 #endif
 
+#if defined(Q4_1_AVX2) && !defined(__AVX512F__)
+#define Q4_1_F32_TILES 1
+/* The float32 x product on AVX2 (q4_1_avx2.h), channel tiles shared out among the threads. */
+static int q4_1_matmul_f32_tiles(const uint8_t *qs, const float *d, const float *m, const float *x, int64_t rows,
+                                 int64_t in, int64_t out, void *y, int y_bf16, int threads) {
+    const int64_t nblocks = in / Q4_1_BLOCK;
+    float *xsum = (float *)malloc(sizeof(float) * (size_t)(rows * nblocks + 1));
+    if (xsum == NULL) return -1;
+    q4_1_block_sums(x, in, rows, in, xsum);
+    const int64_t tiles = (out + Q4_1_TILE_CHANNELS - 1) / Q4_1_TILE_CHANNELS;
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && out >= 64)
+    for (int64_t t = 0; t < tiles; ++t) {
+        const int64_t o = t * Q4_1_TILE_CHANNELS;
+        const int nc = out - o < Q4_1_TILE_CHANNELS ? (int)(out - o) : Q4_1_TILE_CHANNELS;
+        for (int64_t r0 = 0; r0 < rows; r0 += Q4_1_TILE_ROWS) {
+            const int nr = rows - r0 < Q4_1_TILE_ROWS ? (int)(rows - r0) : Q4_1_TILE_ROWS;
+            float dots[Q4_1_TILE_ROWS][Q4_1_TILE_CHANNELS];
+            q4_1_tile(qs + o * nblocks * QS_BYTES, d + o * nblocks, m + o * nblocks, nblocks, x + r0 * in, in,
+                      xsum + r0 * nblocks, nr, nc, dots);
+            for (int r = 0; r < nr; ++r)
+                for (int c = 0; c < nc; ++c) store(y, y_bf16, (r0 + r) * out + o + c, dots[r][c]);
+        }
+    }
+    free(xsum);
+    return 0;
+}
+#endif
+
 /* y [rows, out] = x [rows, in] @ W^T, W given as qs [out, in / 2] and d, m [out, in / 32].
  * x: float32 or (x_bf16) bfloat16, contiguous; y: float32 or (y_bf16) bfloat16, contiguous.
  * Returns 0, or -1 when in is not a multiple of 32 or memory runs out. */
@@ -191,6 +221,11 @@ int q4_1_matmul(const uint8_t *qs, const float *d, const float *m, const void *x
         for (int64_t i = 0; i < rows * in; ++i) widened[i] = bf16_to_float(((const uint16_t *)x)[i]);
         xf = widened;
     }
+#if Q4_1_F32_TILES
+    const int rc = q4_1_matmul_f32_tiles(qs, d, m, xf, rows, in, out, y, y_bf16, threads);
+    free(widened);
+    return rc;
+#endif
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && out >= 64)
     for (int64_t o = 0; o < out; ++o) {
         float dots[ROW_TILE];
