@@ -22,9 +22,10 @@ from .serve_report import LevelResult, format_ms
 
 SHARE_WORKLOAD = "no-reuse"
 BYTES = {"float32": 4.0, "bfloat16": 2.0}
-# Peers that serve the GGUF's own format (its 4-bit blocks), whatever --dtype says. kvmosaic's
-# gguf path reads the file's Q4_1 projections but its Q8_0 head as bfloat16: its bytes are
-# undercounted by half the head's (~28 MB a step for the shipped model).
+# Peers that serve the GGUF's own format (its 4-bit blocks), whatever --dtype says, counted as the
+# file stores them. kvmosaic's gguf path reads the blocks' scales widened to float32 (Q4_1: 24 bytes
+# a block, not 20), and in bfloat16 its Q8_0 head as bfloat16: its bytes are undercounted by ~20%
+# (float32) or ~28 MB a step more (bfloat16) for the shipped model.
 FILE_FORMAT_PEERS = ("llama-server", "llama-cpp-server", "kvmosaic-hash-gguf")
 INT8_PEERS = ("kvmosaic-hash-int8",)
 
