@@ -212,7 +212,12 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
         return -1;
     for (int64_t layer = 0; layers != NULL && layer < num_layers; ++layer)
         for (int proj = 0; proj < 4; ++proj)
-            if (layers[layer * PER_LAYER + 3 * proj + 1] != NULL && bf16) return -1; /* Q4_1 blocks: float32 only */
+            if (layers[layer * PER_LAYER + 3 * proj + 1] != NULL) {
+#if !defined(Q4_1_AVX2)
+                return -2; /* Q4_1 blocks need the AVX2 tiles */
+#endif
+                if (bf16) return -1; /* Q4_1 blocks: float32 only */
+            }
     if (bf16) {
 #if defined(__AVX512BF16__)
         return batch == 0 ? 0 : decode_step_bf16(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,

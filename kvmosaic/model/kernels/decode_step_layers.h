@@ -96,8 +96,8 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
     paged_decode_tasks(lens, batch, kv_heads, first);
     const int64_t tasks = first[batch];
     /* per thread: x's block sums for a Q4_1 projection, [batch, widest input / 32] */
-    const int64_t widest_in = inter > q_width ? inter : q_width; /* hidden <= either in Llama shapes, or: */
-    const int64_t sums_per_thread = batch * ((widest_in > hidden ? widest_in : hidden) / 32);
+    const int64_t longer_in = inter > q_width ? inter : q_width, widest_in = longer_in > hidden ? longer_in : hidden;
+    const int64_t sums_per_thread = batch * (widest_in / 32);
     float *parts = malloc((size_t)(tasks * group * (dim + 1) + num_threads * sums_per_thread) * sizeof(float));
     float *part_lse = parts + tasks * group * dim, *sums = part_lse + tasks * group;
     ELEM *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);

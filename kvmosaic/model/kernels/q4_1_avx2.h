@@ -100,15 +100,23 @@ INLINE void q4_1_tile_avx2(const uint8_t *qs, const float *d, const float *m, in
         }
 }
 
-/* q4_1_tile_avx2 with nr and nc made constants. */
-static void q4_1_tile(const uint8_t *qs, const float *d, const float *m, int64_t nblocks, const float *x,
-                      int64_t x_stride, const float *xsum, int nr, int nc, float out[Q4_1_TILE_ROWS][Q4_1_TILE_CHANNELS]) {
+/* CALL(R, C) with R = nr (1 or 2) and C = nc (1 to 4) as constants: a tile's accumulators stay in
+ * registers only when its shape is known at compile time. */
+#define WITH_CONSTANT_TILE(CALL, nr, nc)                                                         \
+    do {                                                                                         \
+        if ((nr) == 1) {                                                                         \
+            if ((nc) == 4) CALL(1, 4); else if ((nc) == 3) CALL(1, 3); else if ((nc) == 2) CALL(1, 2); else CALL(1, 1); \
+        } else {                                                                                 \
+            if ((nc) == 4) CALL(2, 4); else if ((nc) == 3) CALL(2, 3); else if ((nc) == 2) CALL(2, 2); else CALL(2, 1); \
+        }                                                                                        \
+    } while (0)
+
+/* q4_1_tile_avx2 for any nr, nc. */
+static inline void q4_1_tile(const uint8_t *qs, const float *d, const float *m, int64_t nblocks, const float *x,
+                             int64_t x_stride, const float *xsum, int nr, int nc,
+                             float out[Q4_1_TILE_ROWS][Q4_1_TILE_CHANNELS]) {
 #define Q4_1_TILE(R, C) q4_1_tile_avx2(qs, d, m, nblocks, x, x_stride, xsum, R, C, out)
-    if (nr == 1) {
-        if (nc == 4) Q4_1_TILE(1, 4); else if (nc == 3) Q4_1_TILE(1, 3); else if (nc == 2) Q4_1_TILE(1, 2); else Q4_1_TILE(1, 1);
-    } else {
-        if (nc == 4) Q4_1_TILE(2, 4); else if (nc == 3) Q4_1_TILE(2, 3); else if (nc == 2) Q4_1_TILE(2, 2); else Q4_1_TILE(2, 1);
-    }
+    WITH_CONSTANT_TILE(Q4_1_TILE, nr, nc);
 #undef Q4_1_TILE
 }
 

@@ -17,7 +17,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "q4_1_avx2.h" /* INLINE, q4_1_sum8 and the tile sizes */
+#include "q4_1_avx2.h" /* INLINE, q4_1_sum8, the tile sizes, WITH_CONSTANT_TILE */
 
 #define Q8_0_BLOCK 32
 #ifndef INLINE
@@ -58,11 +58,7 @@ INLINE void q8_0_tile(const int8_t *qs, const float *d, int64_t in, const float 
 static void q8_0_tile_const(const int8_t *qs, const float *d, int64_t in, const float *x, int nr, int nc,
                             float out[Q8_0_ROWS][Q8_0_CHANNELS]) {
 #define Q8_0_TILE(R, C) q8_0_tile(qs, d, in, x, R, C, out)
-    if (nr == 1) {
-        if (nc == 4) Q8_0_TILE(1, 4); else if (nc == 3) Q8_0_TILE(1, 3); else if (nc == 2) Q8_0_TILE(1, 2); else Q8_0_TILE(1, 1);
-    } else {
-        if (nc == 4) Q8_0_TILE(2, 4); else if (nc == 3) Q8_0_TILE(2, 3); else if (nc == 2) Q8_0_TILE(2, 2); else Q8_0_TILE(2, 1);
-    }
+    WITH_CONSTANT_TILE(Q8_0_TILE, nr, nc);
 #undef Q8_0_TILE
 }
 #else
