@@ -4,7 +4,7 @@ Every loader returns a :class:`LoadedWeights`: the config, a dict of float32 ten
 Hugging Face names (so one model class reads them all, every family of ``families.py``), the folder and file that a
 tokenizer is read from, and a fingerprint of the weights that seeds the block hash chain.
 Nothing is downloaded. Asked to (``keep_q4_1=True``, for ``quantization="gguf"``), the GGUF
-loader also keeps each Q4_1 and Q8_0 tensor's raw blocks, rows permuted as the float rows are.
+loader also keeps each Q4_1 tensor's raw blocks, and a Q8_0 LM head's, rows permuted as the float rows are.
 """
 
 from __future__ import annotations
@@ -42,9 +42,12 @@ class LoadedWeights:
     # the blocks of ``tensors[name][i]`` (quant_gguf.py)
     q4_1_blocks: dict[str, torch.Tensor] | None = None
     formats: dict[str, str] | None = None  # keep_q4_1 only: HF name -> the GGUF type it is stored in
-    # keep_q4_1 only: the same for the tensors stored as Q8_0 ([out, in / 32 * 34]; the shipped
-    # file's embedding / tied LM head)
+    # keep_q4_1 only: the same for an LM head (or the tied embedding) stored as Q8_0 ([out, in / 32 * 34];
+    # the shipped file's): the one Q8_0 tensor quant_gguf computes on
     q8_0_blocks: dict[str, torch.Tensor] | None = None
+
+
+HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")  # the LM head, or the embedding tied to it
 
 
 def shipped_model_path() -> str:
@@ -128,8 +131,9 @@ def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
         if hf is None:
             continue
         w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        kept = (GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0)
-        raw = t.data if keep_q4_1 and t.tensor_type in kept else None
+        q4_1 = t.tensor_type == GGMLQuantizationType.Q4_1
+        q8_0_head = t.tensor_type == GGMLQuantizationType.Q8_0 and hf in HEAD_NAMES
+        raw = t.data if keep_q4_1 and (q4_1 or q8_0_head) else None
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads
             w = _unpermute_rope(w, heads)
@@ -137,7 +141,7 @@ def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
         if keep_q4_1:
             formats[hf] = t.tensor_type.name
         if raw is not None:
-            into = blocks if t.tensor_type == GGMLQuantizationType.Q4_1 else q8_blocks
+            into = blocks if q4_1 else q8_blocks
             into[hf] = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
         w = gguf_arch.unfold_norm(arch, hf, w)
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
