@@ -27,7 +27,7 @@ import os
 import torch
 from torch import nn
 
-from . import kernels
+from . import decode_tiles, kernels
 from .attention import AttentionMetadata, PagedKV
 from .packed_linear import PackedLinear
 from .quant_gguf import Q4_1Linear, Q8_0Head
@@ -42,8 +42,10 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
     """What the C step reads of a projection, as its ``(w, d, m)`` pointers: the ``[out, in]``
-    weight in ``dtype`` of a bias-free plain or packed projection (d, m none), or in float32 the
-    Q4_1 blocks of a GGUF projection (``quant_gguf.Q4_1Linear``: nibbles, scales, minima); else None."""
+    weight in ``dtype`` of a bias-free plain or packed projection (d, m none; in float32 in decode
+    tiles, model/decode_tiles.py: a packed projection keeps them instead of its rows, a plain one
+    gets a copy), or in float32 the Q4_1 blocks of a GGUF projection (``quant_gguf.Q4_1Linear``:
+    nibbles, scales, minima); else None."""
     if type(module) is Q4_1Linear:
         ok = dtype == torch.float32 and module.gemv and module.qs.device.type == "cpu"
         return (module.qs, module.d, module.m) if ok else None
@@ -51,8 +53,14 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
         return None
     if type(module) not in (nn.Linear, PackedLinear):
         return None
-    w = module.weight
-    return (w,) if w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu" else None
+    w = module.kept if type(module) is PackedLinear else module.weight
+    if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
+        return None
+    if dtype != torch.float32:
+        return (w,)
+    if not decode_tiles.tileable(w):
+        return None
+    return (module.decode_tiles(),) if type(module) is PackedLinear else (decode_tiles.to_tiles(w),)
 
 
 class FusedDecode:
@@ -145,8 +153,8 @@ class FusedDecode:
             return self.model.compute_logits(hidden)
         h = self.model.norm(hidden).contiguous()
         out = torch.empty(h.shape[0], w.shape[0], dtype=self.dtype)
-        rc = kernels.decode_step_library().linear_rows(w.data_ptr(), w.shape[1], w.shape[0], h.data_ptr(), h.shape[0],
-                                                       out.data_ptr(), int(self.dtype == torch.bfloat16),
+        rc = kernels.decode_step_library().linear_rows(w.data_ptr(), w.shape[1], w.shape[0], 0, h.data_ptr(),
+                                                       h.shape[0], out.data_ptr(), int(self.dtype == torch.bfloat16),
                                                        torch.get_num_threads())
         return out.float() if rc == 0 else self.model.compute_logits(hidden)
 

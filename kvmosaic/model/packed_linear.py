@@ -16,15 +16,33 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import decode_tiles
+
 
 class PackedLinear(nn.Module):
-    """A bias-free linear layer over a weight packed for oneDNN. Input ``[tokens, in]``."""
+    """A bias-free linear layer over a weight packed for oneDNN. Input ``[tokens, in]``.
+
+    Besides oneDNN's copy it keeps the weight itself for the fused decode step, in rows or, once
+    :meth:`decode_tiles` was called, in that step's float32 tiles instead (model/decode_tiles.py):
+    one copy either way, since ``forward`` reads only oneDNN's."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.weight = nn.Parameter(weight.detach(), requires_grad=False)  # kept for readers
+        self.register_buffer("kept", weight.detach(), persistent=False)  # rows, or decode tiles once _tiled
+        self._tiled = False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The ``[out, in]`` weight (a copy, rebuilt from the tiles, after :meth:`decode_tiles`)."""
+        return decode_tiles.from_tiles(self.kept) if self._tiled else self.kept
+
+    def decode_tiles(self) -> torch.Tensor:
+        """The weight in decode tiles, kept from now on instead of the rows (``tileable`` must hold)."""
+        if not self._tiled:
+            self.kept, self._tiled = decode_tiles.to_tiles(self.kept), True
+        return self.kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
