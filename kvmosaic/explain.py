@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .cache.block_pool import BlockPool
+from .cache.hash_manager import HashCacheManager
 from .cache.hashing import DEFAULT_HASH_ALGO, BlockHasher, CacheNamespace, get_hash_fn, make_seed
-from .cache.manager import HashCacheManager, KVCacheManager, PlainRequest
+from .cache.manager import KVCacheManager, PlainRequest
 from .cache.radix import RadixCacheManager
 from .cache.radix_tree import common_prefix_len
 from .engine.arg_utils import QUANTIZATION_CHOICES

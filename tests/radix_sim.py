@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvmosaic.cache.block_pool import BlockPool
-from kvmosaic.cache.manager import HashCacheManager, KVCacheManager, PlainRequest
+from kvmosaic.cache.hash_manager import HashCacheManager
+from kvmosaic.cache.manager import KVCacheManager, PlainRequest
 from kvmosaic.cache.radix import RadixCacheManager
 
 SEED = b"\x00" * 32

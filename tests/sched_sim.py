@@ -12,8 +12,9 @@ import random
 from dataclasses import dataclass
 
 from kvmosaic.cache.block_pool import BlockPool
+from kvmosaic.cache.hash_manager import HashCacheManager
 from kvmosaic.cache.hashing import get_hash_fn, make_seed
-from kvmosaic.cache.manager import HashCacheManager, KVCacheManager
+from kvmosaic.cache.manager import KVCacheManager
 from kvmosaic.cache.radix import RadixCacheManager
 from kvmosaic.engine.dry_run import dry_step
 from kvmosaic.engine.sampling_params import SamplingParams

@@ -14,8 +14,9 @@ from radix_sim import SEED, FakeKV, FakeReq, admit, step
 
 from kvmosaic.cache import events as ce
 from kvmosaic.cache.block_pool import BlockPool
+from kvmosaic.cache.hash_manager import HashCacheManager
 from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn
-from kvmosaic.cache.manager import HashCacheManager, KVCacheManager
+from kvmosaic.cache.manager import KVCacheManager
 from kvmosaic.cache.radix import RadixCacheManager
 from kvmosaic.server.events import CachedBlocks, KVEventBatch, to_wire
 
@@ -156,7 +157,7 @@ def test_dropped_events_are_counted_and_show_as_a_gap():
 
 
 def test_cache_and_subscriber_import_without_torch():
-    code = ("import sys, kvmosaic.cache, kvmosaic.cache.manager, kvmosaic.cache.radix, kvmosaic.server.events;"
+    code = ("import sys, kvmosaic.cache, kvmosaic.cache.manager, kvmosaic.cache.hash_manager, kvmosaic.cache.radix, kvmosaic.server.events;"
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

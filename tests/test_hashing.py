@@ -8,8 +8,8 @@ import sys
 import pytest
 
 from kvmosaic.cache.block_pool import BlockPool
+from kvmosaic.cache.hash_manager import HashCacheManager
 from kvmosaic.cache.hashing import BlockHasher, CacheNamespace, get_hash_fn, make_seed
-from kvmosaic.cache.manager import HashCacheManager
 
 ALGOS = ["sha256", "sha256_cbor", "xxh3_128"]
 

@@ -9,9 +9,9 @@ import random
 import pytest
 
 from kvmosaic.cache.block_pool import BlockPool
+from kvmosaic.cache.hash_manager import HashCacheManager
 from kvmosaic.cache.hashing import get_hash_fn, make_seed
 from kvmosaic.cache.lens import CacheLens
-from kvmosaic.cache.manager import HashCacheManager
 from kvmosaic.cache.miss_reasons import REASONS
 from kvmosaic.cache.radix import RadixCacheManager
 from kvmosaic.cache.watch import CacheWatch

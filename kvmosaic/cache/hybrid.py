@@ -55,7 +55,7 @@ class HybridMatch(MatchResult):
 
 
 class HybridCacheManager(PooledPins, KVCacheManager):
-    """:class:`~.manager.HashCacheManager`'s policy, per layer group (see the module docstring)."""
+    """:class:`~.hash_manager.HashCacheManager`'s policy, per layer group (see the module docstring)."""
 
     def __init__(self, pool: BlockPool, seed: BlockHash, hash_fn: HashFn, layout: KVLayout,
                  enable_caching: bool = True) -> None:

@@ -7,10 +7,11 @@ from __future__ import annotations
 import logging
 
 from ..cache.block_pool import BlockPool
+from ..cache.hash_manager import HashCacheManager
 from ..cache.hashing import get_hash_fn
 from ..cache.hybrid import HybridCacheManager
 from ..cache.kv_groups import KVLayout
-from ..cache.manager import HashCacheManager, KVCacheManager, TierLookup
+from ..cache.manager import KVCacheManager, TierLookup
 from .config import EngineConfig
 
 logger = logging.getLogger("kvmosaic.engine")

@@ -21,8 +21,9 @@ from collections import Counter, deque
 
 from ..cache.block_pool import BlockPool
 from ..cache.events import EventLog
+from ..cache.hash_manager import HashCacheManager
 from ..cache.hashing import get_hash_fn
-from ..cache.manager import HashCacheManager, PlainRequest
+from ..cache.manager import PlainRequest
 from ..router.index import ClusterIndex
 from ..router.policies import ReplicaLoad, RouteRequest
 from ..router.prompt_hashes import PromptHasher

@@ -8,7 +8,8 @@ import sys
 
 from kvmosaic.cache.block_pool import BlockPool
 from kvmosaic.cache.events import EventLog
-from kvmosaic.cache.manager import HashCacheManager, PlainRequest
+from kvmosaic.cache.hash_manager import HashCacheManager
+from kvmosaic.cache.manager import PlainRequest
 from kvmosaic.router import (
     CacheAware,
     ClusterIndex,
