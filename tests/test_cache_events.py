@@ -157,7 +157,8 @@ def test_dropped_events_are_counted_and_show_as_a_gap():
 
 
 def test_cache_and_subscriber_import_without_torch():
-    code = ("import sys, kvmosaic.cache, kvmosaic.cache.manager, kvmosaic.cache.hash_manager, kvmosaic.cache.radix, kvmosaic.server.events;"
+    code = ("import sys, kvmosaic.cache, kvmosaic.cache.manager, kvmosaic.cache.hash_manager, kvmosaic.cache.radix,"
+            " kvmosaic.server.events;"
             "print('torch' in sys.modules, 'transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]

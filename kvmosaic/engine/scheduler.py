@@ -29,7 +29,6 @@ off the queue, until ``get_finished`` names it), tells it the blocks it allocate
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ from ..cache.manager import KVCacheManager, MatchResult
 from ..kv.connector import KVConnector
 from .anticipation import Anticipation
 from .fair_share import FairShare
+from .lpm import LongestPrefixOrder
 from .sequence import Sequence, SequenceStatus
 
 
@@ -90,8 +90,7 @@ class Scheduler:
         self.kv = kv
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.skips: dict[str, int] = {}
-        self._lpm_previous: dict[str, float] = {}  # waiting request -> arrival, at the last ordering
+        self.lpm = LongestPrefixOrder(config.max_skips)  # the waiting queue's order under policy "lpm"
         # Storage tiers (None: off), and the requests in WAITING_FOR_KV: request id -> sequence.
         self.connector = connector
         self.fair = FairShare()  # tenants share the step budget and the slots (engine/fair_share.py)
@@ -215,7 +214,8 @@ class Scheduler:
         if out.preempted or out.out_of_memory:
             self.fair.end_step()
             return out
-        self._order_waiting()
+        if self.config.policy == "lpm":
+            self.waiting = self.lpm.order(self.waiting, self.kv)
         self._admit_waiting(self.fair.order_waiting(list(self.waiting)), budget, caps, out)
         self.fair.end_step()
         return out
@@ -340,7 +340,7 @@ class Scheduler:
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = cached
         seq.status = SequenceStatus.RUNNING
-        self.skips.pop(seq.request_id, None)
+        self.lpm.admitted(seq.request_id)
         self.running.append(seq)
 
     def _drop(self, seq: Sequence, out: SchedulerOutput) -> None:
@@ -354,52 +354,6 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
-
-    def _order_waiting(self) -> None:
-        """Longest-prefix-match ordering (SGLang's LPM), bounded so nobody starves.
-
-        Order: (1) starving requests, oldest first: those that ``max_skips`` later arrivals
-        have been admitted ahead of; (2) the longest cached prefix; (3) among equal hits,
-        requests that share their first block (and namespace) with an older waiting request
-        are grouped right behind it, so that one computes the shared prefix and the rest of
-        its group then hit it, instead of tenants taking turns and evicting each other's
-        prompts; (4) arrival. Above 128 waiting requests the scan costs more than it saves
-        and the queue keeps its order (SGLang falls back to FCFS there too).
-
-        Skips are counted from admissions, not from orderings: requests that left the queue
-        since the previous call (admitted, or rarely aborted) count against every request
-        still waiting that arrived before them.
-        """
-        if self.config.policy != "lpm":
-            return
-        previous = self._lpm_previous
-        waiting_ids = {s.request_id for s in self.waiting}
-        left = sorted(t for rid, t in previous.items() if rid not in waiting_ids)
-        for s in self.waiting:
-            passed = len(left) - bisect.bisect_right(left, s.arrival_time)
-            if passed:
-                self.skips[s.request_id] = self.skips.get(s.request_id, 0) + passed
-        self._lpm_previous = {s.request_id: s.arrival_time for s in self.waiting}
-        if not 2 <= len(self.waiting) <= 128:
-            return
-        bs = self.kv.block_size
-        hit = {s.request_id: self.kv.match_prefix(s).num_tokens for s in self.waiting}
-        def group_of(s: Sequence) -> tuple:
-            return self.kv.request_namespace(s), tuple(s.all_token_ids[:bs])
-
-        group_arrival: dict[tuple, float] = {}
-        for s in sorted(self.waiting, key=lambda s: s.arrival_time):
-            group_arrival.setdefault(group_of(s), s.arrival_time)
-
-        def lpm_key(s: Sequence) -> tuple:
-            group = group_arrival[group_of(s)]
-            return (-hit[s.request_id], group, s.arrival_time)
-
-        limit = self.config.max_skips
-        starving = sorted((s for s in self.waiting if self.skips.get(s.request_id, 0) >= limit),
-                          key=lambda s: s.arrival_time)
-        rest = sorted((s for s in self.waiting if self.skips.get(s.request_id, 0) < limit), key=lpm_key)
-        self.waiting = deque(starving + rest)
 
     # ---- after the model ran -------------------------------------------------------------
     def update(self, out: SchedulerOutput) -> None:
