@@ -1,4 +1,5 @@
-"""Tokenizer, chat template and stop tokens through transformers (read from the GGUF or the folder)."""
+"""Tokenizer, chat template and stop tokens through transformers (read from the GGUF, converted once:
+tokenizer_cache.py; or from the folder)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from .tokenizer_cache import cached_gguf_tokenizer
+
 
 def load_tokenizer(tokenizer_dir: str, gguf_file: str | None) -> PreTrainedTokenizerBase:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if gguf_file:
-            return AutoTokenizer.from_pretrained(tokenizer_dir, gguf_file=gguf_file)
+            return cached_gguf_tokenizer(Path(tokenizer_dir) / gguf_file,
+                                         lambda: AutoTokenizer.from_pretrained(tokenizer_dir, gguf_file=gguf_file))
         return AutoTokenizer.from_pretrained(tokenizer_dir)
 
 
