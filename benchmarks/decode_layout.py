@@ -14,12 +14,12 @@ Run: ``python -m benchmarks.decode_layout`` from the repository root (``--thread
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 
 from kvmosaic.bench.machine import describe
 from kvmosaic.bench.model_size import model_size
+from kvmosaic.bench.roofline import best_seconds
 from kvmosaic.model import decode_tiles, kernels
 
 
@@ -30,16 +30,6 @@ def shapes() -> list[tuple[int, int]]:
     layer = [(q + 2 * kv, s.hidden_size), (s.hidden_size, q), (2 * s.intermediate_size, s.hidden_size),
              (s.hidden_size, s.intermediate_size)]
     return layer * s.num_layers + [(s.lm_head_params // s.hidden_size, s.hidden_size)]
-
-
-def best_seconds(fn, repeats: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t)
-    return best
 
 
 def main() -> None:

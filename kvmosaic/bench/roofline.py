@@ -48,7 +48,7 @@ class Roofline:
                 f"({self.buffer_mb} MB buffers)"]
 
 
-def _best(fn, repeats: int) -> float:
+def best_seconds(fn, repeats: int) -> float:
     fn()  # warm-up: first-touch pages, oneDNN primitive creation
     best = float("inf")
     for _ in range(repeats):
@@ -85,7 +85,7 @@ def gemm_gflops(dtype: str, shapes: list[tuple[int, int, int]], repeats: int) ->
         for a, b in ops:
             torch.matmul(a, b)
 
-    best = _best(run, repeats)
+    best = best_seconds(run, repeats)
     try:
         packed = [(a, torch.ops.mkldnn._reorder_linear_weight(b.t().contiguous(), None)) for a, b in ops]
 
@@ -93,7 +93,7 @@ def gemm_gflops(dtype: str, shapes: list[tuple[int, int, int]], repeats: int) ->
             for a, w in packed:
                 torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")
 
-        best = min(best, _best(run_packed, repeats))
+        best = min(best, best_seconds(run_packed, repeats))
     except (AttributeError, RuntimeError):  # no oneDNN in this torch build
         pass
     return flops / best / 1e9
@@ -106,8 +106,8 @@ def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:
     src = torch.ones(buffer_mb * 2**20 // 4)
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
-    read = nbytes / _best(lambda: src.sum(), repeats) / 1e9
-    copy = 2 * nbytes / _best(lambda: dst.copy_(src), repeats) / 1e9
+    read = nbytes / best_seconds(lambda: src.sum(), repeats) / 1e9
+    copy = 2 * nbytes / best_seconds(lambda: dst.copy_(src), repeats) / 1e9
     return read, copy
 
 
