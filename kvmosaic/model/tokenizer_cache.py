@@ -50,20 +50,23 @@ def cached_gguf_tokenizer(gguf_path: Path, convert: Callable[[], PreTrainedToken
         entry = cache_dir() / gguf_key(gguf_path)
     except OSError:
         return convert()
+    unreadable = False
     if (entry / "tokenizer.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(entry))
         except (OSError, ValueError) as exc:
             log.warning("cached tokenizer at %s unreadable (%s): converting the GGUF's again", entry, exc)
+            unreadable = True
     tokenizer = convert()
     try:
         entry.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=entry.name + ".", dir=entry.parent))
         tokenizer.save_pretrained(str(staging))
-        shutil.rmtree(entry, ignore_errors=True)  # an unreadable entry: replaced
+        if unreadable:
+            shutil.rmtree(entry, ignore_errors=True)
         try:
             staging.rename(entry)
-        except OSError:  # another process put its copy there first
+        except OSError:  # another process put its copy there first: it stays, read by the next start
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as exc:
         log.info("tokenizer cache not written (%s): the next start converts the GGUF's again", exc)
