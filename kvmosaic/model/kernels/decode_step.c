@@ -46,11 +46,11 @@ typedef struct {
 #define PER_LAYER 16 /* pointers per layer: see decode_step */
 #define PF_TILES 4 /* prefetch the weight rows this many tiles ahead: ~2-4% over one (measured, AVX2 EPYC) */
 
-/* The float32 weights of the step's projections are laid out in decode tiles (decode_tile_lanes):
- * a tile's CHANNELS rows occupy the same CHANNELS * in elements as in row order, interleaved by
+/* The float32 weights of the step's projections are laid out in decode tiles (decode_tile_shape,
+ * model/decode_tiles.py): a tile's CHANNELS rows occupy the same CHANNELS * in elements as in row order, interleaved by
  * LANES (one vector load), so that a tile is read as one sequential stream, (c, i) at
  * (i / LANES) * CHANNELS * LANES + c * LANES + i % LANES. The hardware prefetcher follows one
- * stream better than CHANNELS rows read side by side: +15-20% of read bandwidth (measured, AVX2
+ * stream better than CHANNELS rows read side by side: ~10-15% more read bandwidth (measured, AVX2
  * EPYC; BENCHMARKS.md). The products and their order are those of the row layout. */
 #if defined(__AVX512F__)
 #define LANES 16
@@ -213,7 +213,7 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, const uint16
  *
  * layers: num_layers * 16 pointers, per layer: the projections qkv [(H + 2 Hkv) D, hidden], o [hidden,
  * H D], gate_up [2 inter, hidden], down [hidden, inter] as three pointers each, (w, d, m): the
- * weight in the dtype, contiguous, in decode tiles in float32 (decode_tile_lanes) and in rows in
+ * weight in the dtype, contiguous, in decode tiles in float32 (decode_tile_shape) and in rows in
  * bfloat16, d and m NULL; or (float32 only) Q4_1 blocks, w the nibbles [out, in / 2],
  * d and m [out, in / 32]; then the input and post-attention norm weights [hidden], the layer's K
  * and V pools [num_slots, Hkv, D] (the dtype);
