@@ -252,11 +252,9 @@ def check_model(model: str | None) -> Traits | None:
     if path.is_dir() and (path / "config.json").exists():
         return traits_from_hf(json.loads((path / "config.json").read_text()))
     if path.is_file() and path.suffix == ".gguf":
-        from gguf import GGUFReader
-
         from .gguf_arch import check_gguf_arch
+        from .gguf_index import gguf_index
 
-        field = GGUFReader(str(path)).fields.get("general.architecture")
-        check_gguf_arch(field.contents() if field is not None else None)
+        check_gguf_arch(gguf_index(path).fields.get("general.architecture"))
         return None
     raise ValueError(f"{model}: expected a .gguf file or a folder with config.json and *.safetensors")

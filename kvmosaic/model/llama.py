@@ -65,14 +65,17 @@ class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, theta: float | Rope, max_positions: int) -> None:
         super().__init__()
         rope = theta if isinstance(theta, Rope) else Rope(float(theta))
-        inv_freq = rope_inv_freq(rope, head_dim, max_positions)
-        half = inv_freq.numel()
         self.attention_factor = rope.attention_factor
-        sign = torch.cat((-torch.ones(half), torch.ones(half)))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.register_buffer("sign", sign, persistent=False)
         self.tabled = max_positions <= self.MAX_TABLE
-        cos, signed_sin = self._rows(torch.arange(max_positions if self.tabled else 0))
+        # computed on the CPU (and moved by .to) even when the model is built on the meta device,
+        # where a first arange costs ~1 s (torch loads its symbolic shapes); build_model recomputes them
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(rope, head_dim, max_positions)
+            half = inv_freq.numel()
+            sign = torch.cat((-torch.ones(half), torch.ones(half)))
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            self.register_buffer("sign", sign, persistent=False)
+            cos, signed_sin = self._rows(torch.arange(max_positions if self.tabled else 0))
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("signed_sin", signed_sin, persistent=False)
 
@@ -222,7 +225,9 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.config = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # uninitialised: the weights are loaded over it (build_model), and a random init is the
+        # costliest step of building the model on the meta device (~1.4 s, torch's first normal_ there)
+        self.embed_tokens = nn.Embedding.from_pretrained(torch.empty(cfg.vocab_size, cfg.hidden_size), freeze=False)
         self.layers = nn.ModuleList(decoder_layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = self.layers[0].norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         # One RoPE table per distinct RoPE (Gemma 3: local and global layers differ)

