@@ -17,7 +17,7 @@ import torch
 
 from kvmosaic.model import gguf_index as index_module
 from kvmosaic.model.gguf_index import cache_dir, gguf_index, index_key
-from kvmosaic.model.loader import LoadedWeights, load_weights
+from kvmosaic.model.loader import LoadedWeights, load_weights, weights_fingerprint
 from tests.tiny_gguf import write_gguf
 from tests.tiny_models import build
 
@@ -53,6 +53,7 @@ def test_the_shipped_model_loads_the_same_through_its_cached_index(parses):
     assert len(parses) == 1 and (cache_dir() / f"{index_key(parses[0])}.json").is_file()
     assert_same(parsed, indexed)
     assert indexed.q4_1_blocks and indexed.q8_0_blocks
+    assert indexed.fingerprint == weights_fingerprint(None)  # the one the tiers and tools name blocks by
 
 
 @pytest.fixture(scope="module")

