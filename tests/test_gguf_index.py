@@ -111,3 +111,12 @@ def test_the_index_views_the_files_bytes(parses, tiny, tmp_path):
     assert len(parses) == 1 and first.keys() == second.keys()
     name = next(iter(first))
     assert (first[name] == second[name]).all() and Path(second[name].base.filename) == copy
+
+
+def test_no_home_folder_only_costs_the_parse(parses, tiny, monkeypatch):
+    def no_home(cls):
+        raise RuntimeError("Could not determine home directory.")
+
+    monkeypatch.delenv("KVMOSAIC_GGUF_CACHE")
+    monkeypatch.setattr(Path, "home", classmethod(no_home))
+    assert gguf_index(tiny) == gguf_index(tiny) and len(parses) == 2

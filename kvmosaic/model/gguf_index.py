@@ -107,7 +107,7 @@ def gguf_index(path: Path, content: bytes | None = None) -> GGUFIndex:
     file's SHA-256, when the caller has it (see :func:`index_key`)."""
     try:
         entry = cache_dir() / f"{index_key(path, content)}.json"
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: no home folder to put the cache in
         return parse(path)
     if entry.is_file():
         try:

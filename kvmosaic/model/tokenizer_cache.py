@@ -48,7 +48,7 @@ def cached_gguf_tokenizer(gguf_path: Path, convert: Callable[[], PreTrainedToken
     """The tokenizer of the GGUF at ``gguf_path``: from the cache, or ``convert()`` and cached."""
     try:
         entry = cache_dir() / gguf_key(gguf_path)
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: no home folder to put the cache in
         return convert()
     unreadable = False
     if (entry / "tokenizer.json").is_file():
