@@ -182,9 +182,12 @@ def test_shared_public_shares_only_the_public_head(shared_public):
 
 def test_shared_mode_audit_detects_the_leak(servers):
     auditor = Auditor(servers["shared"].url, "key-a", "key-b", suffix=2, seed=1)
-    (res,) = auditor.run([32], probes=6, order_pairs=0)
+    (res,) = auditor.run([32], probes=8, order_pairs=0)
     assert res.cached_leak and res.cached_true >= 32 and res.cached_wrong == 0
-    assert res.auc >= 0.9 and res.leaks()
+    # the timing channel: no leak gives an AUC near 0.5 (>= 0.8 by chance: p = 0.019 with 8 probes an
+    # arm); one true probe slowed past every wrong one by a pause on a shared 2-core machine still passes
+    # (0.875; with 6 probes such an outlier failed a CI run at 0.83)
+    assert res.auc >= 0.8 and res.leaks()
 
 
 def test_isolated_mode_audit_finds_no_cached_tokens_leak(isolated):
