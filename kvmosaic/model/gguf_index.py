@@ -31,6 +31,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 
+from .. import paths
+
 log = logging.getLogger("kvmosaic")
 
 STOP_FIELDS = ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
@@ -69,7 +71,7 @@ class GGUFIndex:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVMOSAIC_GGUF_CACHE") or Path.home() / ".cache" / "kvmosaic" / "gguf")
+    return paths.cache_dir("gguf", "KVMOSAIC_GGUF_CACHE")
 
 
 def file_sha256(path: Path) -> bytes:

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType, dequantize
 
 from . import gguf_arch
 from .config import ModelConfig
@@ -106,8 +107,6 @@ def _unpermute_rope(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 def _load_gguf(path: Path, keep_q4_1: bool = False) -> LoadedWeights:
-    from gguf import GGMLQuantizationType, dequantize
-
     content = file_sha256(path)
     index = gguf_index(path, content)  # parsed once per file (gguf_index.py)
     fields = index.fields

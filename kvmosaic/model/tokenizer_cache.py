@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -27,13 +26,15 @@ from pathlib import Path
 import transformers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
+from .. import paths
+
 log = logging.getLogger("kvmosaic")
 
 HEAD_BYTES = 64 << 20  # a GGUF's metadata (header, key-values, tensor infos) precedes its tensor data
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("KVMOSAIC_TOKENIZER_CACHE") or Path.home() / ".cache" / "kvmosaic" / "tokenizers")
+    return paths.cache_dir("tokenizers", "KVMOSAIC_TOKENIZER_CACHE")
 
 
 def gguf_key(path: Path) -> str:

@@ -39,6 +39,8 @@ from typing import NamedTuple
 
 import torch
 
+from ... import paths
+
 log = logging.getLogger("kvmosaic")
 
 SOURCES = [Path(__file__).with_name(name)
@@ -53,7 +55,7 @@ MAX_GROUP, MAX_DIM = 16, 256  # as in paged_decode.c
 
 
 def _cache_dir() -> Path:
-    return Path(os.environ.get("KVMOSAIC_KERNEL_CACHE") or Path.home() / ".cache" / "kvmosaic" / "kernels")
+    return paths.cache_dir("kernels", "KVMOSAIC_KERNEL_CACHE")
 
 
 def _cpu_flags() -> str:
