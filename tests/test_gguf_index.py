@@ -120,3 +120,24 @@ def test_no_home_folder_only_costs_the_parse(parses, tiny, monkeypatch):
     monkeypatch.delenv("KVMOSAIC_GGUF_CACHE")
     monkeypatch.setattr(Path, "home", classmethod(no_home))
     assert gguf_index(tiny) == gguf_index(tiny) and len(parses) == 2
+
+
+@pytest.mark.parametrize("kernels_on", [True, False], ids=["kernels", "gguf-py"])
+def test_every_tensor_dequantizes_to_gguf_pys_bits(shipped_gguf, kernels_on, monkeypatch):
+    """The loader's Q4_1 kernel and torch Q8_0 give gguf-py's float32 weights exactly, and the
+    load without the kernels (no compiler, ``KVMOSAIC_KERNELS=0``) is the same."""
+    from gguf import GGMLQuantizationType, dequantize
+
+    from kvmosaic.model import kernels, loader
+    from kvmosaic.model.gguf_index import file_sha256
+
+    if not kernels_on:
+        monkeypatch.setattr(kernels, "q4_1_available", lambda: False)
+    path = Path(shipped_gguf)
+    seen = set()
+    for t, data in gguf_index(path, file_sha256(path)).arrays(path):
+        seen.add(t.quant_type)
+        got = loader._dequantize(data, t.quant_type)
+        assert got.dtype == "float32"
+        assert torch.equal(torch.from_numpy(got), torch.from_numpy(dequantize(data, t.quant_type).astype("float32"))), t.name
+    assert {GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0} <= seen

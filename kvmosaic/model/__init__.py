@@ -31,7 +31,7 @@ def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.
         require_q4_1(weights)  # refuses before building
     with torch.device("meta"):
         model = LlamaForCausalLM(weights.config)
-    model = model.to_empty(device=device)
+    _materialize(model, device)
     model.load_hf_tensors(weights.tensors)
     model.to(dtype)
     model.reset_rotary(device)  # RoPE tables stay float32, as in transformers
@@ -42,6 +42,20 @@ def build_model(weights: LoadedWeights, dtype: torch.dtype, device: str | torch.
     if quantization == "gguf":
         quantize_gguf(model, weights)
     return model.eval()
+
+
+def _materialize(model: torch.nn.Module, device: str | torch.device) -> None:
+    """Uninitialised storage on ``device`` for every meta parameter and buffer: what
+    ``Module.to_empty`` does, without its detour through torch's reference ops, whose first use
+    imports symbolic shapes and sympy (~0.4 s of every start). The weights are loaded over it."""
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None and p.is_meta:
+                empty = torch.empty(p.shape, dtype=p.dtype, device=device)
+                module._parameters[name] = torch.nn.Parameter(empty, requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
 
 
 @dataclass(frozen=True)

@@ -221,6 +221,18 @@ def decoder_layer(cfg: ModelConfig, layer_idx: int) -> DecoderLayer:
     return DecoderLayer(cfg, layer_idx)
 
 
+def _take(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Load ``value`` into ``param``: adopted as its storage where it already is a contiguous
+    tensor of the same dtype and device (a loader's fresh tensor: no second copy of the weights
+    to fault in), copied otherwise."""
+    if value.shape != param.shape:
+        raise ValueError(f"a weight of shape {tuple(value.shape)} where the model has {tuple(param.shape)}")
+    if value.dtype == param.dtype and value.device == param.device and value.is_contiguous():
+        param.data = value
+    else:
+        param.copy_(value)
+
+
 class LlamaForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -342,19 +354,19 @@ class LlamaForCausalLM(nn.Module):
             return t(name) if name in tensors else torch.cat([t(n) for n in parts])
 
         with torch.no_grad():
-            self.embed_tokens.weight.copy_(t("model.embed_tokens.weight"))
-            self.norm.weight.copy_(t("model.norm.weight"))
+            _take(self.embed_tokens.weight, t("model.embed_tokens.weight"))
+            _take(self.norm.weight, t("model.norm.weight"))
             if self.lm_head is not None:
-                self.lm_head.weight.copy_(t("lm_head.weight"))
+                _take(self.lm_head.weight, t("lm_head.weight"))
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 a, m = p + "self_attn.", p + "mlp."
-                layer.qkv_proj.weight.copy_(fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]))
+                _take(layer.qkv_proj.weight, fused(a + "qkv_proj.weight", [a + f"{n}_proj.weight" for n in "qkv"]))
                 if layer.qkv_bias is not None:
-                    layer.qkv_bias.copy_(torch.cat([t(a + f"{n}_proj.bias") for n in "qkv"]))
-                layer.o_proj.weight.copy_(t(a + "o_proj.weight"))
-                layer.gate_up_proj.weight.copy_(fused(m + "gate_up_proj.weight", [m + "gate_proj.weight", m + "up_proj.weight"]))
-                layer.down_proj.weight.copy_(t(m + "down_proj.weight"))
+                    _take(layer.qkv_bias, torch.cat([t(a + f"{n}_proj.bias") for n in "qkv"]))
+                _take(layer.o_proj.weight, t(a + "o_proj.weight"))
+                _take(layer.gate_up_proj.weight, fused(m + "gate_up_proj.weight", [m + "gate_proj.weight", m + "up_proj.weight"]))
+                _take(layer.down_proj.weight, t(m + "down_proj.weight"))
                 for name, module in layer.named_children():
                     if isinstance(module, RMSNorm):
-                        module.weight.copy_(t((a if name in ("q_norm", "k_norm") else p) + name + ".weight"))
+                        _take(module.weight, t((a if name in ("q_norm", "k_norm") else p) + name + ".weight"))
