@@ -21,6 +21,7 @@ import asyncio
 import time
 
 import httpx
+import pytest
 
 from kvmosaic.engine.anticipation import Anticipation
 from kvmosaic.engine.sampling_params import SamplingParams
@@ -126,24 +127,28 @@ def anticipation_counters(server: ServerProcess) -> dict[str, float]:
 FLAGS = ("--dtype", "float32", "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "adm")
 
 
-def test_server_holds_for_a_one_at_a_time_tenant_and_outputs_are_unchanged():
+@pytest.fixture(scope="module")
+def without_anticipation() -> tuple[list[str], list[str]]:
+    """A's and B's answers from one server that never holds (the reference for both tests)."""
+    with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "0") as server:
+        return asyncio.run(one_at_a_time_beside_a_flood(server.url))
+
+
+def test_server_holds_for_a_one_at_a_time_tenant_and_outputs_are_unchanged(without_anticipation):
     with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "200") as server:  # wide: CI machines are busy
         outputs = asyncio.run(one_at_a_time_beside_a_flood(server.url))
         counted = anticipation_counters(server)
-    with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "0") as server:
-        assert asyncio.run(one_at_a_time_beside_a_flood(server.url)) == outputs
+    assert outputs == without_anticipation
     assert counted["holds"] >= 1 and counted["hits"] >= 1
     assert counted["held_seconds"] <= counted["holds"] * 0.200 + 0.005
 
 
-def test_through_replicas_the_option_reaches_each_replica_and_outputs_are_unchanged():
+def test_through_replicas_the_option_reaches_each_replica_and_outputs_are_unchanged(without_anticipation):
     """Behind ``--replicas 2`` each replica's engine anticipates on its own (B's replica holds only
     when A has work there too, which the router decides): the counters come through the front per
     replica, within the window's bound, and the answers equal one server's without anticipation."""
-    with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "0") as server:
-        want = asyncio.run(one_at_a_time_beside_a_flood(server.url))
     with ServerProcess(*FLAGS, "--fair-share-anticipation-ms", "200", "--replicas", "2") as server:
-        assert asyncio.run(one_at_a_time_beside_a_flood(server.url)) == want
+        assert asyncio.run(one_at_a_time_beside_a_flood(server.url)) == without_anticipation
         for _ in range(10):  # a scrape leaves out a replica that did not answer in time (the front logs it)
             text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer adm"}).text
             series = [line for line in text.splitlines() if line.startswith("kvmosaic:fair_share_anticipation_holds_total{")]

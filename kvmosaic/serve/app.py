@@ -28,20 +28,11 @@ from ray.serve.config import RequestRouterConfig
 from ..engine.arg_utils import EngineArgs
 from ..router.policies import POLICIES
 from ..server.args import ServerArgs
+from .cli import serve_env
 from .ingress import OpenAIIngress
 from .replica import EngineReplica
 
 ROUTER_CLASS = "kvmosaic.serve.request_router.KVMosaicRouter"
-
-
-def serve_env(server_args: ServerArgs) -> dict[str, str]:
-    """Ray Serve's settings for the app's replicas, on any cluster (a replica reads them as its
-    process starts): Serve's low-latency mode (``RAY_SERVE_THROUGHPUT_OPTIMIZED``: user code and
-    the handle's router on the replica's own event loop, handles over gRPC, request logs to files
-    only; measured, the front's TTFT cost at c=1 +18.5 -> +15.6 ms, BENCHMARKS.md issue 20), with
-    direct ingress as ``kvmosaic serve`` decides it (that mode would turn it on everywhere)."""
-    direct = server_args.direct_ingress and not server_args.ray_address
-    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if direct else "0"}
 
 
 def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
@@ -61,6 +52,11 @@ def split_args(args: dict[str, Any]) -> tuple[EngineArgs, ServerArgs]:
     return EngineArgs(**{k: v for k, v in args.items() if k in engine_keys}), server
 
 
+# How often a stopping replica looks whether its requests have ended (Serve's default, 2 s, is also
+# the least every replica waits: `kvmosaic serve` has drained the front before it stops Serve).
+SHUTDOWN_POLL_S = 0.2
+
+
 def build_application(engine_args: EngineArgs, server_args: ServerArgs, router_kwargs: dict | None = None,
                       stats_period_s: float = 0.2):
     if server_args.router not in POLICIES:
@@ -76,12 +72,20 @@ def build_application(engine_args: EngineArgs, server_args: ServerArgs, router_k
             request_router_class=ROUTER_CLASS,
             request_router_kwargs={"policy": server_args.router, **(router_kwargs or {})},
             request_routing_stats_period_s=stats_period_s, request_routing_stats_timeout_s=5.0),
-        health_check_period_s=2.0, health_check_timeout_s=30.0)
-    front = OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env(server_args)}})
+        health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
+    front = OpenAIIngress.options(ray_actor_options={"num_cpus": 0, "runtime_env": {"env_vars": serve_env(server_args)}},
+                                  graceful_shutdown_wait_loop_s=SHUTDOWN_POLL_S)
     return front.bind(replicas.bind(engine_args, server_args), engine_args, server_args)
 
 
 def build_app(args: dict[str, Any]):
-    """Ray Serve's application builder (one args dict; see the module docstring)."""
+    """Ray Serve's application builder (one args dict; see the module docstring). Its front is
+    reached through Serve's HTTP proxy: direct ingress is ``kvmosaic serve``'s own, which sets up
+    the Ray it starts for it (the port, a short draining period). A front left in that mode on
+    another's Ray held every shutdown for Serve's whole grace period (20 s) before it was killed."""
+    if {k.replace("-", "_"): v for k, v in (args or {}).items()}.get("direct_ingress"):
+        raise ValueError("direct_ingress is for the Ray that 'kvmosaic serve' starts; an app built from a "
+                         "Serve config is reached through Serve's HTTP proxy (http_options)")
     engine_args, server_args = split_args(args)
+    server_args.direct_ingress = False
     return build_application(engine_args, server_args)

@@ -17,6 +17,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from ..engine.arg_utils import EngineArgs
 from ..server.args import ServerArgs
@@ -37,10 +38,21 @@ def run(ns: argparse.Namespace) -> int:
         return run_single(ns)
     try:
         engine_args, server_args = EngineArgs.from_cli_args(ns), ServerArgs.from_cli_args(ns)
-        engine_args.create_engine_config(**server_args.engine_overrides())  # checked before Ray starts
     except ValueError as e:
         raise SystemExit(f"kvmosaic serve: error: {e}") from None
-    return run_replicas(engine_args, server_args)
+    # The whole check (the model's config, the machine's dtype: ~4 s of torch and transformers
+    # imports) runs while Ray starts; a bad option still stops the command before anything is deployed.
+    pool = ThreadPoolExecutor(1, thread_name_prefix="kvmosaic-check")
+    checked = pool.submit(_check, engine_args, server_args)
+    pool.shutdown(wait=False)
+    return run_replicas(engine_args, server_args, checked)
+
+
+def _check(engine_args: EngineArgs, server_args: ServerArgs) -> None:
+    """The options as an engine checks them; also imports what the app's deployments import."""
+    from . import app  # noqa: F401
+
+    engine_args.create_engine_config(**server_args.engine_overrides())
 
 
 def _signals() -> threading.Event:
@@ -107,12 +119,23 @@ def direct_ingress_env(server_args: ServerArgs) -> tuple[int, dict[str, str]]:
     }
 
 
-def run_replicas(engine_args: EngineArgs, server_args: ServerArgs) -> int:
+def serve_env(server_args: ServerArgs) -> dict[str, str]:
+    """Ray Serve's settings for the app's replicas, on any cluster (a replica reads them as its
+    process starts): Serve's low-latency mode (``RAY_SERVE_THROUGHPUT_OPTIMIZED``: user code and
+    the handle's router on the replica's own event loop, handles over gRPC, request logs to files
+    only; measured, the front's TTFT cost at c=1 +18.5 -> +15.6 ms, BENCHMARKS.md issue 20), with
+    direct ingress as ``kvmosaic serve`` decides it (that mode would turn it on everywhere)."""
+    direct = server_args.direct_ingress and not server_args.ray_address
+    return {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": "1" if direct else "0"}
+
+
+def run_replicas(engine_args: EngineArgs, server_args: ServerArgs, checked: Future | None = None) -> int:
+    """Serve until SIGTERM / SIGINT, then drain. ``checked``: the engine options' check, run
+    beside Ray's start (its error ends the command before Serve starts)."""
     import ray
     from ray import serve
 
     from ..server.cli import banner
-    from .app import build_application, serve_env
 
     logging.basicConfig(level=server_args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     proxy_port, env = direct_ingress_env(server_args)
@@ -125,6 +148,13 @@ def run_replicas(engine_args: EngineArgs, server_args: ServerArgs) -> int:
              log_to_driver=server_args.log_level == "debug")
     stop = _signals()  # after ray.init, which installs its own SIGTERM handler (exit, no drain)
     try:
+        if checked is not None:
+            try:
+                checked.result()
+            except ValueError as e:
+                raise SystemExit(f"kvmosaic serve: error: {e}") from None
+        from .app import build_application
+
         serve.start(http_options={"host": server_args.host, "port": proxy_port})
         front = serve.run(build_application(engine_args, server_args), name="kvmosaic", route_prefix="/")
         model = serve.get_deployment_handle("EngineReplica", "kvmosaic").served_model_name.remote().result()

@@ -1,19 +1,24 @@
 """SIGTERM on ``kvmosaic serve --replicas 2`` drains as one server does (issue 20): with 8
 streams running, new requests get 503 with ``Retry-After``; streams that can finish within
 ``--shutdown-timeout`` finish; the rest end with an explicit error event and ``[DONE]``; none
-is cut silently. Then Serve and the Ray it started shut down: no process of its tree is left."""
+is cut silently. Then Serve and the Ray it started shut down: no process of its tree is left.
+A bad engine option ends the command the same way, before anything is deployed."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
 import psutil
 
-from kvmosaic.server.launch import ServerProcess
+from kvmosaic.server.launch import ServerProcess, free_port
 
 C = "/v1/completions"
 
@@ -77,3 +82,29 @@ def test_sigterm_with_8_streams_cuts_none_silently_and_leaves_no_ray_process():
         assert not left, [psutil.Process(p).cmdline()[:2] for p in left]
     finally:
         proc.stop()
+
+
+def test_a_bad_engine_option_ends_the_command_and_leaves_no_ray_process():
+    """The engine options are checked while Ray starts (serve/cli.py): a bad one ends ``kvmosaic
+    serve --replicas 2`` with the check's message and exit status 1 before Serve starts, and the
+    Ray it started shuts down with it."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvmosaic.cli", "serve", "--replicas", "2", "--block-size", "12",
+                             "--port", str(free_port())], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    seen: set[int] = set()
+    deadline = time.monotonic() + 120
+    while proc.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(psutil.Error):
+            seen.update(p.pid for p in psutil.Process(proc.pid).children(recursive=True))
+        time.sleep(0.1)
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGKILL)
+    output = proc.communicate()[0]
+    assert proc.returncode == 1, output[-3000:]
+    assert "kvmosaic serve: error: block_size must be a power of two, got 12" in output
+    assert "Application 'kvmosaic'" not in output  # nothing was deployed
+    end = time.monotonic() + 30
+    while (left := [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]) \
+            and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not left, [psutil.Process(p).cmdline()[:2] for p in left]

@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 from kvmosaic.cache.block_pool import BlockPool
 from kvmosaic.cache.events import EventLog
 from kvmosaic.cache.hash_manager import HashCacheManager
@@ -184,6 +186,19 @@ def test_every_replica_runs_serve_in_low_latency_mode_with_direct_ingress_as_dec
         for deployment in (front, engines):
             env = deployment.ray_actor_options["runtime_env"]["env_vars"]
             assert env == {"RAY_SERVE_THROUGHPUT_OPTIMIZED": "1", "RAY_SERVE_ENABLE_DIRECT_INGRESS": direct}
+
+
+def test_an_app_built_from_a_serve_config_goes_through_serves_proxy():
+    """``build_app`` (``serve run config.yaml``): no direct ingress, whose port and draining period
+    only ``kvmosaic serve`` sets up (left on, every shutdown waited out Serve's 20 s grace period);
+    asking for it there is an error that says why."""
+    from kvmosaic.serve.app import build_app
+
+    front = build_app({"replicas": 2})._bound_deployment
+    for deployment in (front, front.init_args[0]._bound_deployment):
+        assert deployment.ray_actor_options["runtime_env"]["env_vars"]["RAY_SERVE_ENABLE_DIRECT_INGRESS"] == "0"
+    with pytest.raises(ValueError, match="Serve's HTTP proxy"):
+        build_app({"replicas": 2, "direct-ingress": True})
 
 
 def test_a_repeat_before_any_event_goes_where_the_first_went():
