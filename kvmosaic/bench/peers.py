@@ -50,7 +50,7 @@ def import_libraries(name: str) -> None:
     if name == "llama-cpp-ramcache":
         import llama_cpp  # noqa: F401
     if name in KVMOSAIC_CACHES:
-        import kvmosaic.engine  # noqa: F401
+        import kvmosaic.engine.llm  # noqa: F401 - the engine and what it imports (the package is lazy)
 
 
 def make_peer(name: str, settings: PeerSettings):
