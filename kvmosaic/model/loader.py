@@ -151,15 +151,15 @@ def _dequantize(data: np.ndarray, quant_type: GGMLQuantizationType) -> np.ndarra
     """A tensor's float32 weights. Q4_1 (the shipped file's projections) through the CPU kernel,
     one pass instead of gguf-py's many (~0.5 s of every start); it is checked to give gguf-py's
     bits at load (``kernels.q4_1_available``), and ``d * q`` of Q8_0 is exact either way."""
-    blocks = data if data.ndim == 2 else None
-    if quant_type == GGMLQuantizationType.Q4_1 and blocks is not None and kernels.q4_1_available():
+    q4_1 = quant_type == GGMLQuantizationType.Q4_1 and kernels.q4_1_available()
+    if data.ndim == 2 and (q4_1 or quant_type == GGMLQuantizationType.Q8_0):
+        blocks = torch.from_numpy(np.array(data, dtype=np.uint8))  # a copy: the file's view is read only
+        if not q4_1:
+            return kernels.q8_0_reference(kernels.q8_0_split(blocks)).numpy()
         try:
-            w = kernels.q4_1_split(torch.from_numpy(np.array(blocks, dtype=np.uint8)))
-            return kernels.q4_1_dequantize(w, torch.float32).numpy()
+            return kernels.q4_1_dequantize(kernels.q4_1_split(blocks), torch.float32).numpy()
         except ValueError:  # a row length the kernel does not take
             pass
-    if quant_type == GGMLQuantizationType.Q8_0 and blocks is not None:
-        return kernels.q8_0_reference(kernels.q8_0_split(torch.from_numpy(np.array(blocks, dtype=np.uint8)))).numpy()
     return dequantize(data, quant_type).astype(np.float32, copy=False)
 
 

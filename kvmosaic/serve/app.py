@@ -83,9 +83,8 @@ def build_app(args: dict[str, Any]):
     reached through Serve's HTTP proxy: direct ingress is ``kvmosaic serve``'s own, which sets up
     the Ray it starts for it (the port, a short draining period). A front left in that mode on
     another's Ray held every shutdown for Serve's whole grace period (20 s) before it was killed."""
-    if {k.replace("-", "_"): v for k, v in (args or {}).items()}.get("direct_ingress"):
+    engine_args, server_args = split_args({"direct_ingress": False, **(args or {})})
+    if server_args.direct_ingress:
         raise ValueError("direct_ingress is for the Ray that 'kvmosaic serve' starts; an app built from a "
                          "Serve config is reached through Serve's HTTP proxy (http_options)")
-    engine_args, server_args = split_args(args)
-    server_args.direct_ingress = False
     return build_application(engine_args, server_args)

@@ -44,6 +44,15 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict) -> dict:
     return {"text": text, "done": done, "error": error, "cut": None}
 
 
+def assert_gone(pids, within_s: float) -> None:
+    """None of ``pids`` is running (a zombie is gone) within ``within_s`` seconds."""
+    deadline = time.monotonic() + within_s
+    while (left := [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]) \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, [psutil.Process(p).cmdline()[:2] for p in left]
+
+
 def test_sigterm_with_8_streams_cuts_none_silently_and_leaves_no_ray_process():
     proc = ServerProcess("--replicas", "2", "--dtype", "float32", "--num-kv-blocks", "256",
                          "--max-model-len", "1024", "--shutdown-timeout", "3").start()
@@ -75,11 +84,7 @@ def test_sigterm_with_8_streams_cuts_none_silently_and_leaves_no_ray_process():
         for s in long:  # 600 tokens do not fit in 3 s: each ends with the shutdown error, then [DONE]
             assert s["cut"] is None and s["done"] and s["error"]["code"] == "shutdown", s
         proc.proc.wait(timeout=90)
-        deadline = time.monotonic() + 20
-        while (left := [p for p in tree if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]) \
-                and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert not left, [psutil.Process(p).cmdline()[:2] for p in left]
+        assert_gone(tree, 20)
     finally:
         proc.stop()
 
@@ -103,8 +108,4 @@ def test_a_bad_engine_option_ends_the_command_and_leaves_no_ray_process():
     assert proc.returncode == 1, output[-3000:]
     assert "kvmosaic serve: error: block_size must be a power of two, got 12" in output
     assert "Application 'kvmosaic'" not in output  # nothing was deployed
-    end = time.monotonic() + 30
-    while (left := [p for p in seen if psutil.pid_exists(p) and psutil.Process(p).status() != "zombie"]) \
-            and time.monotonic() < end:
-        time.sleep(0.5)
-    assert not left, [psutil.Process(p).cmdline()[:2] for p in left]
+    assert_gone(seen, 30)
