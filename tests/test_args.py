@@ -21,6 +21,7 @@ ENGINE_FLAGS = {
     "quantization": ["--quantization", "int8"], "block_size": ["--block-size", "32"],
     "num_kv_blocks": ["--num-kv-blocks", "77"], "kv_cache_memory": ["--kv-cache-memory", "2G"],
     "max_num_batched_tokens": ["--max-num-batched-tokens", "1024"], "max_num_seqs": ["--max-num-seqs", "9"],
+    "max_decode_stall_ms": ["--max-decode-stall-ms", "250"],
     "fair_share_chunk_tokens": ["--fair-share-chunk-tokens", "64"],
     "fair_share_decode_rows": ["--fair-share-decode-rows", "16"],
     "fair_share_anticipation_ms": ["--fair-share-anticipation-ms", "2.5"],
@@ -43,6 +44,7 @@ ENGINE_FLAGS = {
     "enable_kv_events": [],  # not a flag: the server turns it on (events endpoint, replicas)
     "miss_reasons": ["--no-miss-reasons"],
     "keep_block_tokens": [],  # not a flag: the server turns it on (--dashboard-show-text)
+    "usage_context": [],  # not a flag: the server sets it ("server": its defaults)
 }
 
 
@@ -61,7 +63,8 @@ def argv(shipped_gguf, tmp_path) -> list[str]:
 def test_every_engine_field_is_declared_once_and_is_a_flag():
     assert [f.name for f in fields(EngineConfig)] == [f.name for f in fields(EngineArgs)]
     assert set(ENGINE_FLAGS) == {f.name for f in fields(EngineArgs)}, "a new field needs a row above"
-    assert [f.name for f in fields(EngineArgs) if not f.metadata["cli"]] == ["enable_kv_events", "keep_block_tokens"]
+    code_only = [f.name for f in fields(EngineArgs) if not f.metadata["cli"]]
+    assert code_only == ["enable_kv_events", "keep_block_tokens", "usage_context"]
 
 
 def test_a_replica_gets_the_config_one_server_gets(argv):

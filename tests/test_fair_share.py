@@ -192,3 +192,40 @@ def test_a_tenant_over_its_limit_gets_429_and_others_are_served(server):
     r = httpx.post(server.url + "/v1/completions", headers={"Authorization": "Bearer key-a"},
                    json={"prompt": "Again", "max_tokens": 2}, timeout=60)
     assert r.status_code == 200
+
+
+def test_a_long_prompt_holds_no_stream_longer_than_the_bound(server):
+    """``max_decode_stall_ms`` (500 when serving, engine/pace.py): a ~900-token prompt beside a
+    stream of the same tenant (so no fair share cuts it) is computed in steps short enough that
+    the stream waits at most issue 25's 1 s for any token (one 900-token step takes ~2 s on a
+    2-core AVX2 CPU in float32)."""
+    long_prompt = " ".join(f"{w}{i % 97}" for i, w in enumerate(("lamp river stone cloud quick silver garden " * 45).split()[:310]))
+    key = {"Authorization": "Bearer key-a"}
+
+    async def go():
+        async with httpx.AsyncClient(base_url=server.url, timeout=120) as c:
+            arrivals: list[float] = []
+            loop = asyncio.get_running_loop()
+
+            async def stream():
+                body = {"prompt": "The story of the lighthouse keeper:", "max_tokens": 400, "ignore_eos": True,
+                        "stream": True}
+                async with c.stream("POST", "/v1/completions", headers=key, json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            arrivals.append(loop.time())
+
+            victim = asyncio.create_task(stream())
+            while len(arrivals) < 5:
+                await asyncio.sleep(0.02)
+            sent = loop.time()
+            big = await c.post("/v1/completions", headers=key, json={"prompt": long_prompt, "max_tokens": 2})
+            done = loop.time()
+            await victim
+            return big, [b - a for a, b in zip(arrivals, arrivals[1:]) if sent <= b <= done + 1.0]
+
+    big, gaps = asyncio.run(go())
+    assert big.status_code == 200, big.text
+    assert big.json()["usage"]["prompt_tokens"] > 800
+    assert gaps and max(gaps) <= 1.0, f"the stream waited {max(gaps):.2f} s for a token"

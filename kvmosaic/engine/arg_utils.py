@@ -28,6 +28,7 @@ DTYPE_CHOICES = ("auto", "float32", "bfloat16", "float16")
 SEGMENT_REUSE_MODES = ("off", "shift", "blend", "auto")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
 QUANTIZATION_CHOICES = ("int8", "gguf")  # model.quant.QUANTIZATIONS
+USAGE_CONTEXTS = ("llm", "server")
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
 
@@ -131,6 +132,11 @@ class EngineArgs(CliArgs):
     kv_cache_memory: int = option(1 << 30, "KV pool size, e.g. 1G", type=memory_size)
     max_num_batched_tokens: int = option(2048, "tokens computed per step at most (chunked prefill)")
     max_num_seqs: int = option(64, "requests running at once at most")
+    max_decode_stall_ms: float | None = option(None, "while requests are decoding, a step computes only the prompt "
+                                                     "tokens this engine computes in this long (measured as it runs: "
+                                                     "engine/pace.py), so that no prompt holds their next tokens "
+                                                     "longer; 0: the token budget alone (default: 500 when serving, "
+                                                     "0 in LLM())", type=float)
     fair_share_chunk_tokens: int = option(32, "while several tenants are active, the prefill tokens a step "
                                                "gives the most-served tenant at most, so another tenant's "
                                                "newcomer waits for a short step (0: no limit)")
@@ -197,6 +203,9 @@ class EngineArgs(CliArgs):
     miss_reasons: bool = option(True, "count why prompt tokens miss the cache, by reason and by tenant "
                                       "(kvmosaic/cache/lens.py)")
     keep_block_tokens: bool = option(False, cli=False)  # the server sets it: --dashboard-show-text
+    # Who runs the engine: "llm" (LLM(), offline) or "server" (the server sets it, every replica too);
+    # the defaults that differ between them follow it, as vLLM's UsageContext (max_decode_stall_ms).
+    usage_context: str = option("llm", cli=False, choices=USAGE_CONTEXTS)
     kv_cache_metrics_sample: float = option(0.01, "fraction of KV blocks whose lifetime, idle time before "
                                                   "eviction and reuse gaps are observed (vLLM's kv_block_* "
                                                   "histograms; 0: off)", metavar="F")

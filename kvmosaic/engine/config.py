@@ -11,7 +11,8 @@ from ..model.config import DTYPES
 from ..model.families import check_model
 from ..model.hub import resolve_model
 from ..model.quant import QUANTIZATIONS
-from .arg_utils import PREFIX_CACHES, EngineArgs
+from .arg_utils import PREFIX_CACHES, USAGE_CONTEXTS, EngineArgs
+from .pace import SERVING_STALL_MS
 
 
 def auto_dtype(device: torch.device) -> str:
@@ -44,6 +45,12 @@ class EngineConfig(EngineArgs):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.usage_context not in USAGE_CONTEXTS:
+            raise ValueError(f"usage_context must be one of {USAGE_CONTEXTS}, got {self.usage_context!r}")
+        if self.max_decode_stall_ms is None:
+            self.max_decode_stall_ms = SERVING_STALL_MS if self.usage_context == "server" else 0.0
+        if self.max_decode_stall_ms < 0:
+            raise ValueError(f"max_decode_stall_ms must be >= 0, got {self.max_decode_stall_ms}")
         if min(self.fair_share_chunk_tokens, self.fair_share_decode_rows, self.fair_share_anticipation_ms) < 0:
             raise ValueError("fair_share_chunk_tokens, fair_share_decode_rows and fair_share_anticipation_ms "
                              f"must be >= 0, got {self.fair_share_chunk_tokens}, {self.fair_share_decode_rows} "

@@ -100,7 +100,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, self.max_model_len,
                             config.scheduling_policy, fair_chunk_tokens=config.fair_share_chunk_tokens,
                             fair_decode_rows=config.fair_share_decode_rows,
-                            fair_anticipation=config.fair_share_anticipation_ms / 1e3),
+                            fair_anticipation=config.fair_share_anticipation_ms / 1e3,
+                            max_decode_stall_ms=config.max_decode_stall_ms),
             self.cache,
             KVConnector(self.tiers, config.block_size) if self.tiers is not None else None,
             self.lens,
@@ -211,6 +212,8 @@ class LLMEngine:
         outputs += [self._fail(seq, msg, "tier_load") for seq, msg in sched.failed]
         if sched.scheduled:
             failed: list = []  # (sequence, message, reason): requests whose own part of the step failed
+            prefill = sum(s.num_new_tokens for s in sched.scheduled if s.seq.num_uncomputed > 1)
+            started = time.perf_counter()
             try:
                 result = self._execute(sched, failed)
             except Exception as exc:  # the whole step failed: fail its batch, free their blocks
@@ -218,6 +221,7 @@ class LLMEngine:
                                  len(sched.scheduled))
                 return outputs + [self._fail(*f) for f in failed] + [
                     self._fail(s.seq, f"engine error in the forward pass: {exc}", "step") for s in sched.scheduled]
+            self.scheduler.pace.observe(prefill, time.perf_counter() - started)
             self.scheduler.update(sched)
             outputs += [self._fail(*f) for f in failed]
             outputs += self._process_samples(result)

@@ -9,6 +9,10 @@ Each step spends a token budget (``max_num_batched_tokens``):
 2. then waiting sequences are admitted while budget, sequence slots and blocks last, each
    starting after its cached prefix. New prefills thus join running decodes.
 
+While any request is decoding, the prompt tokens of a step are limited further to what the
+engine computes in ``max_decode_stall_ms`` (engine/pace.py): a long prompt is cut into steps
+short enough that no stream waits longer than that for its next token.
+
 One computation per shared prefix in flight: a waiting sequence whose next uncached block is
 being computed right now by another sequence (running, or admitted earlier in this step) is
 passed over until that block is committed, then hits it instead of computing it again — a
@@ -38,6 +42,7 @@ from ..kv.connector import KVConnector
 from .anticipation import Anticipation
 from .fair_share import FairShare
 from .lpm import LongestPrefixOrder
+from .pace import PrefillPace
 from .sequence import Sequence, SequenceStatus
 
 
@@ -56,6 +61,9 @@ class SchedulerConfig:
     # Seconds the next step may wait for a tenant that sends one request at a time to send its
     # next (engine/anticipation.py); 0: never.
     fair_anticipation: float = 0.0
+    # While any request is decoding, a step computes the prompt tokens this engine computes in
+    # this many milliseconds at most (engine/pace.py); 0: the token budget alone.
+    max_decode_stall_ms: float = 0.0
 
 
 @dataclass
@@ -96,6 +104,7 @@ class Scheduler:
         self.fair = FairShare()  # tenants share the step budget and the slots (engine/fair_share.py)
         self._express_last = False  # the last step was newcomers' alone (FairShare.newcomers)
         self.anticipation = Anticipation(config.fair_anticipation)
+        self.pace = PrefillPace(config.max_decode_stall_ms)  # the engine tells it each step's time
         self.loading: dict[str, Sequence] = {}
         # Live miss reasons and per-tenant figures (cache/lens.py; None: off), told of each admission.
         self.lens = lens
@@ -176,7 +185,8 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        if self._express_step(out):
+        prefill = self._prefill_allowance()
+        if self._express_step(out, prefill):
             return out
         budget = self.config.max_num_batched_tokens
         caps = self.fair.chunk_caps(self.running, self.waiting, self.config.fair_chunk_tokens)
@@ -185,11 +195,12 @@ class Scheduler:
         queue = self.fair.order_running(self.running, in_turn=bool(rows))
         while queue and budget > 0:
             seq = queue.pop(0)
-            n = min(seq.num_uncomputed, budget if seq.num_uncomputed <= 1 else
-                    min(budget - reserved, caps.get(seq.tenant, budget)))
+            decode = seq.num_uncomputed <= 1
+            n = min(seq.num_uncomputed, budget if decode else
+                    min(budget - reserved, caps.get(seq.tenant, budget), prefill))
             if n <= 0:
                 continue
-            if seq.num_uncomputed <= 1 and seq.tenant in rows:  # a capped tenant's decode
+            if decode and seq.tenant in rows:  # a capped tenant's decode
                 if rows[seq.tenant] <= 0:
                     continue  # its turn comes next step (FairShare.order_running)
                 rows[seq.tenant] -= 1
@@ -207,6 +218,8 @@ class Scheduler:
                 self.fair.charge(seq, n)
                 seq.last_step = self.fair.step
                 budget -= n
+                if not decode:
+                    prefill -= n
                 if n > 1 and seq.tenant in caps:
                     caps[seq.tenant] -= n
         if self.loading:
@@ -216,21 +229,31 @@ class Scheduler:
             return out
         if self.config.policy == "lpm":
             self.waiting = self.lpm.order(self.waiting, self.kv)
-        self._admit_waiting(self.fair.order_waiting(list(self.waiting)), budget, caps, out)
+        self._admit_waiting(self.fair.order_waiting(list(self.waiting)), min(budget, prefill), caps, out)
         self.fair.end_step()
         return out
 
-    def _express_step(self, out: SchedulerOutput) -> bool:
+    def _prefill_allowance(self) -> int:
+        """Prompt tokens this step may compute: while any request is decoding, what the engine
+        computes in ``max_decode_stall_ms`` (engine/pace.py); otherwise the whole token budget."""
+        budget = self.config.max_num_batched_tokens
+        allowance = self.pace.allowance()
+        if allowance is None or not any(s.num_uncomputed <= 1 for s in self.running):
+            return budget
+        return min(budget, allowance)
+
+    def _express_step(self, out: SchedulerOutput, prefill: int) -> bool:
         """A step of its own for newcomers of tenants served less than everyone running
         (:meth:`FairShare.newcomers`): their first token does not wait behind the running
         batch's decodes and prefill chunks. Never two such steps in a row, so the running
-        sequences advance at least every other step. False, scheduling nothing, when there is
-        none or none could be admitted."""
+        sequences advance at least every other step; ``prefill``: the prompt tokens it may
+        compute (:meth:`_prefill_allowance`). False, scheduling nothing, when there is none or
+        none could be admitted."""
         newcomers = [] if self._express_last else self.fair.newcomers(self.running, self.waiting)
         self._express_last = False
         if not newcomers:
             return False
-        self._admit_waiting(newcomers, self.config.max_num_batched_tokens, {}, out)
+        self._admit_waiting(newcomers, prefill, {}, out)
         if not (out.scheduled or out.failed or out.out_of_memory or self.loading):
             return False
         self._express_last = True

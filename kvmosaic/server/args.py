@@ -128,9 +128,9 @@ class ServerArgs(CliArgs):
 
     def engine_overrides(self) -> dict[str, Any]:
         """What the server sets in the engine's config: events on when published (always on a
-        replica: the router follows them)."""
+        replica: the router follows them); the serving defaults (``usage_context``)."""
         return {"enable_kv_events": bool(self.kv_events_endpoint or self.replicas),
-                "keep_block_tokens": self.dashboard_show_text}
+                "keep_block_tokens": self.dashboard_show_text, "usage_context": "server"}
 
     def tenant_policy(self):
         """The tenancy policy (its public prefixes, which need the engine's tokenizer, are added
