@@ -1,7 +1,8 @@
 """A prompt beside decoding streams is cut into steps of ``max_decode_stall_ms`` (engine/pace.py).
 
 * the pace's arithmetic: a step is ``base + per_token * prompt tokens``, each a moving average
-  of measured steps; the allowance fills the stall target, never under ``MIN_CHUNK``;
+  of measured steps; the allowance fills the stall target, never under ``MIN_CHUNK``, and is
+  ``UNMEASURED_CHUNK`` until a step of ``MIN_SAMPLE`` prompt tokens was measured;
 * the real scheduler and model: while a stream decodes, a long prompt is computed in chunks of
   the allowance; with nothing decoding, in one step; the tokens generated are those of the
   engine without a pace;
@@ -17,7 +18,7 @@ import pytest
 
 from kvmosaic.engine.config import EngineConfig
 from kvmosaic.engine.llm_engine import LLMEngine
-from kvmosaic.engine.pace import MIN_CHUNK, SERVING_STALL_MS, PrefillPace
+from kvmosaic.engine.pace import MIN_CHUNK, MIN_SAMPLE, SERVING_STALL_MS, UNMEASURED_CHUNK, PrefillPace
 from kvmosaic.engine.sampling_params import SamplingParams
 
 LONG = [1000 + (i * 37) % 20000 for i in range(200)]
@@ -27,14 +28,16 @@ PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 
 def test_the_allowance_fills_the_stall_target_from_measured_steps():
     pace = PrefillPace(stall_ms=500)
-    assert pace.allowance() is None  # nothing measured: the token budget applies
+    assert pace.allowance() == UNMEASURED_CHUNK
     pace.observe(0, 0.020)  # a decode-only step
+    pace.observe(MIN_SAMPLE - 1, 1.0)  # too few prompt tokens to tell their cost from the step's
+    assert pace.allowance() == UNMEASURED_CHUNK
     pace.observe(100, 0.220)  # 100 prompt tokens beside the decodes: 2 ms a token beyond them
     assert pace.base == pytest.approx(0.020) and pace.per_token == pytest.approx(0.002)
     assert pace.allowance() == 240  # (0.5 - 0.02) / 0.002
     pace.observe(100, 0.420)  # the machine got slower: 4 ms a token, averaged with the 2 before
     assert pace.per_token == pytest.approx(0.003) and pace.allowance() == 160
-    pace.observe(10, 60.0)  # far too slow for any chunk: a prompt still advances
+    pace.observe(100, 60.0)  # far too slow for any chunk: a prompt still advances
     assert pace.allowance() == MIN_CHUNK
     assert PrefillPace(stall_ms=0).allowance() is None
 

@@ -14,8 +14,11 @@ of the recent steps that computed no prompt tokens (the decodes' own cost), ``pe
 recent prefill steps' time beyond it per prompt token, both moving averages. Attention makes a
 token at position 4,000 dearer than one at 40; the averages follow the requests at hand.
 
+Not cut: a prompt that segment reuse blends (blend/engine_hook.py) is computed in one step, since
+its selective recompute needs the whole prompt; it costs a fraction of a full prefill.
+
 Invariants: the allowance is at least :data:`MIN_CHUNK` tokens (a prompt always advances);
-before any prefill was measured there is no allowance (None: the token budget applies); the
+before a step of :data:`MIN_SAMPLE` prompt tokens was measured it is :data:`UNMEASURED_CHUNK`; the
 pace changes how a prompt is cut into steps, never what a request generates (a chunked prefill
 is what a prefix-cache hit already runs: tests/test_pace.py compares the outputs).
 """
@@ -23,6 +26,8 @@ is what a prefix-cache hit already runs: tests/test_pace.py compares the outputs
 from __future__ import annotations
 
 MIN_CHUNK = 16  # prompt tokens a step may always compute, however slow the machine
+MIN_SAMPLE = 64  # prompt tokens a step needs to measure the per-token cost (fewer: fixed costs dominate)
+UNMEASURED_CHUNK = 256  # the allowance before any such step was measured
 SERVING_STALL_MS = 500.0  # max_decode_stall_ms when serving (EngineConfig): half of issue 25's 1 s bound
 SMOOTHING = 0.5  # weight of the newest step in each moving average
 
@@ -38,12 +43,16 @@ class PrefillPace:
         if prefill_tokens <= 0:
             self.base = seconds if self.base is None else self.base + SMOOTHING * (seconds - self.base)
             return
+        if prefill_tokens < MIN_SAMPLE:
+            return
         cost = max(seconds - (self.base or 0.0), 0.0) / prefill_tokens
         self.per_token = cost if self.per_token is None else self.per_token + SMOOTHING * (cost - self.per_token)
 
     def allowance(self) -> int | None:
-        """Prompt tokens a step beside decodes may compute; None: no limit (off, or not measured)."""
-        if not self.stall_s or not self.per_token:
+        """Prompt tokens a step beside decodes may compute; None: no limit (off)."""
+        if not self.stall_s:
             return None
+        if not self.per_token:
+            return UNMEASURED_CHUNK
         spare = self.stall_s - (self.base or 0.0)
         return max(MIN_CHUNK, int(spare / self.per_token)) if spare > 0 else MIN_CHUNK
