@@ -33,6 +33,9 @@ SMOOTHING = 0.5  # weight of the newest step in each moving average
 
 
 class PrefillPace:
+    """The measured step model and the allowance it gives (see the module docstring); the engine
+    tells it every step's prompt tokens and seconds, the scheduler asks it before each step."""
+
     def __init__(self, stall_ms: float = 0.0) -> None:
         self.stall_s = max(0.0, stall_ms) / 1e3  # 0: no limit
         self.base: float | None = None  # seconds of a step without prompt tokens
