@@ -256,3 +256,19 @@ def test_tokenizer_for_reads_the_models_own_tokenizer_once_per_argument():
     assert tokenizer_for(None) is tok
     by_path = tokenizer_for(shipped_model_path())
     assert by_path.encode("Hello there", add_special_tokens=False) == tok.encode("Hello there", add_special_tokens=False)
+
+
+def test_free_ports_are_outside_the_range_the_kernel_hands_out():
+    """A port from free_port is not one that a process binding port 0 (Ray starts dozens) can be
+    given before the server binds it."""
+    import socket
+
+    from kvmosaic.server.launch import EPHEMERAL_RANGE, LOWEST_PORT
+
+    low, high = (int(x) for x in open(EPHEMERAL_RANGE).read().split())
+    if low <= LOWEST_PORT:
+        pytest.skip(f"this kernel hands out ports from {low}: no room below")
+    ports = {free_port() for _ in range(20)}
+    assert all(LOWEST_PORT <= p < low for p in ports), ports
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", ports.pop()))  # and free

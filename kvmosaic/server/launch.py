@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -16,8 +17,29 @@ import time
 
 import httpx
 
+EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
+LOWEST_PORT = 20000  # free_port picks from here up to the kernel's ephemeral range
+
 
 def free_port() -> int:
+    """A loopback port free now and, where the kernel says which ports it hands out to ``bind(0)``
+    and outgoing connections, outside them: a port from ``bind(0)`` is given again to the next
+    process that asks, and Ray starts dozens of processes that do while a replicas server starts
+    (a test run saw Serve's front find its chosen port taken and fail)."""
+    try:
+        with open(EPHEMERAL_RANGE) as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 0
+    rng = random.SystemRandom()
+    for _ in range(64 if low > LOWEST_PORT else 0):
+        port = rng.randrange(LOWEST_PORT, low)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
