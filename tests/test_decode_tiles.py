@@ -1,5 +1,5 @@
-"""The fused decode step's float32 weight layout (model/decode_tiles.py): a permutation that
-changes no result.
+"""The fused decode step's weight layout, float32 and bfloat16 (model/decode_tiles.py): a
+permutation that changes no result.
 
 * ``from_tiles(to_tiles(w))`` is ``w``, bit for bit;
 * the C product over tiles equals the product over rows bit for bit (same products, same order),
@@ -16,41 +16,52 @@ import torch
 from kvmosaic.model import decode_tiles, kernels
 from kvmosaic.model.packed_linear import PackedLinear, packing_supported
 
-pytestmark = pytest.mark.skipif(decode_tiles.tile_shape() is None,
-                                reason="no fused float32 decode step on this CPU (needs AVX-512 or AVX2 with FMA)")
+DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16")]
 
 
-def _weight(out: int = 96, inp: int = 64) -> torch.Tensor:
-    return torch.randn(out, inp, generator=torch.Generator().manual_seed(out + inp))
+@pytest.fixture(params=DTYPES)
+def dtype(request) -> torch.dtype:
+    if decode_tiles.tile_shape(request.param) is None:
+        pytest.skip(f"no fused {request.param} decode step on this CPU (float32 needs AVX-512 or AVX2 with FMA, "
+                    "bfloat16 AVX512-BF16)")
+    return request.param
 
 
-def test_tiles_are_a_permutation_of_the_rows():
-    w = _weight()
+def _weight(dtype: torch.dtype, out: int = 128, inp: int = 64) -> torch.Tensor:
+    return torch.randn(out, inp, generator=torch.Generator().manual_seed(out + inp)).to(dtype)
+
+
+def test_tiles_are_a_permutation_of_the_rows(dtype):
+    w = _weight(dtype)
     t = decode_tiles.to_tiles(w)
     assert t.shape == w.shape and not torch.equal(t, w)
     assert torch.equal(torch.sort(t.flatten()).values, torch.sort(w.flatten()).values)
     assert torch.equal(decode_tiles.from_tiles(t), w)
 
 
-@pytest.mark.parametrize("batch", [1, 3])
-def test_the_product_over_tiles_equals_the_product_over_rows_bit_for_bit(batch):
+@pytest.mark.parametrize("batch", [1, 3, 6])
+def test_the_product_over_tiles_equals_the_product_over_rows_bit_for_bit(dtype, batch):
     lib = kernels.decode_step_library()
-    w = _weight(160, 96)
-    x = torch.randn(batch, 96, generator=torch.Generator().manual_seed(1))
+    w = _weight(dtype, 160, 128)
+    x = torch.randn(batch, 128, generator=torch.Generator().manual_seed(1)).to(dtype)
     outs = []
     for weight, tiled in ((w, 0), (decode_tiles.to_tiles(w), 1)):
-        y = torch.empty(batch, 160)
-        assert lib.linear_rows(weight.data_ptr(), 96, 160, tiled, x.data_ptr(), batch, y.data_ptr(), 0, 2) == 0
+        y = torch.empty(batch, 160, dtype=dtype)
+        assert lib.linear_rows(weight.data_ptr(), 128, 160, tiled, x.data_ptr(), batch, y.data_ptr(),
+                               int(dtype == torch.bfloat16), 2) == 0
         outs.append(y)
     assert torch.equal(outs[0], outs[1])
-    torch.testing.assert_close(outs[0], x @ w.T, rtol=1e-5, atol=1e-5)
+    want = x.double() @ w.double().T  # bfloat16: float32 sums of exact products, rounded once
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(outs[0].double(), want, rtol=tol, atol=tol)
 
 
-@pytest.mark.skipif(not packing_supported(torch.float32, torch.device("cpu")), reason="no oneDNN packing in this torch")
-def test_a_packed_projection_in_tiles_keeps_one_copy_and_its_results():
-    w = _weight()
+def test_a_packed_projection_in_tiles_keeps_one_copy_and_its_results(dtype):
+    if not packing_supported(dtype, torch.device("cpu")):
+        pytest.skip("no oneDNN packing in this torch")
+    w = _weight(dtype)
     layer = PackedLinear(w.clone())
-    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
     before = layer(x)
     tiles = layer.decode_tiles()
     assert layer.decode_tiles() is tiles  # tiled once

@@ -42,9 +42,9 @@ DTYPES = (torch.bfloat16, torch.float32)
 
 def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
     """What the C step reads of a projection, as its ``(w, d, m)`` pointers: the ``[out, in]``
-    weight in ``dtype`` of a bias-free plain or packed projection (d, m none; in float32 in decode
-    tiles, model/decode_tiles.py: a packed projection keeps them instead of its rows, a plain one
-    gets a copy), or in float32 the Q4_1 blocks of a GGUF projection (``quant_gguf.Q4_1Linear``:
+    weight in ``dtype`` of a bias-free plain or packed projection, in decode tiles
+    (model/decode_tiles.py: a packed projection keeps them instead of its rows, a plain one gets a
+    copy; d, m none), or in float32 the Q4_1 blocks of a GGUF projection (``quant_gguf.Q4_1Linear``:
     nibbles, scales, minima); else None."""
     if type(module) is Q4_1Linear:
         ok = dtype == torch.float32 and module.gemv and module.qs.device.type == "cpu"
@@ -54,11 +54,7 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
     if type(module) not in (nn.Linear, PackedLinear):
         return None
     w = module.kept if type(module) is PackedLinear else module.weight
-    if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu":
-        return None
-    if dtype != torch.float32:
-        return (w,)
-    if not decode_tiles.tileable(w):
+    if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" or not decode_tiles.tileable(w):
         return None
     return (module.decode_tiles(),) if type(module) is PackedLinear else (decode_tiles.to_tiles(w),)
 

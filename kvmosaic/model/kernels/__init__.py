@@ -109,7 +109,7 @@ def _library() -> ctypes.CDLL | None:
         "q8_0_matmul": (i32, [ptr] * 3 + [i64] * 3 + [ptr, i32]),
         "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, i32, i32]),
         "linear_rows": (i32, [ptr, i64, i64, i32, ptr, i64, ptr, i32, i32]),
-        "decode_tile_shape": (i32, [ptr]),
+        "decode_tile_shape": (i32, [i32, ptr]),
         "prefill_attention": (i32, [ptr] * 5 + [i64] * 5 + [f32, ptr, i32]),
         "prefill_attention_f32": (i32, [ptr] * 5 + [i64] * 5 + [f32, ptr, i32]),
     }

@@ -46,12 +46,12 @@ typedef struct {
 #define PER_LAYER 16 /* pointers per layer: see decode_step */
 #define PF_TILES 4 /* prefetch the weight rows this many tiles ahead: ~2-4% over one (measured, AVX2 EPYC) */
 
-/* The float32 weights of the step's projections are laid out in decode tiles (decode_tile_shape,
+/* The weights of the step's projections are laid out in decode tiles (decode_tile_shape,
  * model/decode_tiles.py): a tile's CHANNELS rows occupy the same CHANNELS * in elements as in row order, interleaved by
- * LANES (one vector load), so that a tile is read as one sequential stream, (c, i) at
+ * LANES (float32; LANES_BF16 for bfloat16: one vector load), so that a tile is read as one sequential stream, (c, i) at
  * (i / LANES) * CHANNELS * LANES + c * LANES + i % LANES. The hardware prefetcher follows one
- * stream better than CHANNELS rows read side by side: ~10-15% more read bandwidth (measured, AVX2
- * EPYC; BENCHMARKS.md). The products and their order are those of the row layout. */
+ * stream better than CHANNELS rows read side by side: ~10-15% more read bandwidth in float32 (measured, AVX2
+ * EPYC), more in bfloat16 on a Zen 4 EPYC (BENCHMARKS.md). The products and their order are those of the row layout. */
 #if defined(__AVX512F__)
 #define LANES 16
 #else
@@ -174,19 +174,26 @@ static void gate_up_silu_q4_1(Weight w, int64_t in, int64_t inter, const float *
 #undef STEP_TILED
 
 #if defined(__AVX512BF16__)
-/* out[r][c] = x_r . w_c for CHANNELS bfloat16 weight rows at w and nr rows of x (in % 32 == 0). */
+#define LANES_BF16 32 /* bfloat16 elements in one vector: a decode tile's interleave */
+
+/* The weight vector of channel c at element i (a multiple of LANES_BF16) of a bfloat16 tile at w. */
+INLINE const uint16_t *tile_bf16_at(const uint16_t *w, int64_t in, int tiled, int c, int64_t i) {
+    return tiled ? w + i * CHANNELS + c * LANES_BF16 : w + c * in + i;
+}
+
+/* out[r][c] = x_r . w_c for a tile of CHANNELS bfloat16 weight rows at w (decode tiles when tiled,
+ * else rows) and nr rows of x (in % 32 == 0). */
 INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, const uint16_t *x, int64_t x_stride,
                           const int nr, float out[ROWS][CHANNELS]) {
-    (void)tiled; /* bfloat16 weights are read in rows */
     __m512 acc[ROWS][CHANNELS];
     for (int r = 0; r < nr; ++r)
         for (int c = 0; c < CHANNELS; ++c) acc[r][c] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < in; i += 32) {
+    for (int64_t i = 0; i < in; i += LANES_BF16) {
         __m512bh wv[CHANNELS];
         for (int c = 0; c < CHANNELS; ++c) {
-            /* the next tile's line: ~3-5% faster than the hardware prefetcher alone (measured) */
-            _mm_prefetch((const char *)(w + (c + CHANNELS) * in + i), _MM_HINT_T0);
-            wv[c] = (__m512bh)_mm512_loadu_si512(w + c * in + i);
+            /* rows: the next tile's line, ~3-5% faster than the hardware prefetcher alone (measured) */
+            if (!tiled) _mm_prefetch((const char *)(w + (c + CHANNELS) * in + i), _MM_HINT_T0);
+            wv[c] = (__m512bh)_mm512_loadu_si512(tile_bf16_at(w, in, tiled, c, i));
         }
         for (int r = 0; r < nr; ++r) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + r * x_stride + i);
@@ -203,7 +210,7 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, const uint16
 #define FROM_F(x) float_to_bf16(x)
 #define ROUND(x) round_bf16(x)
 #define IS_BF16 1
-#define STEP_TILED 0
+#define STEP_TILED 1
 #include "decode_step_layers.h"
 #endif
 #endif
@@ -213,8 +220,7 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, const uint16
  *
  * layers: num_layers * 16 pointers, per layer: the projections qkv [(H + 2 Hkv) D, hidden], o [hidden,
  * H D], gate_up [2 inter, hidden], down [hidden, inter] as three pointers each, (w, d, m): the
- * weight in the dtype, contiguous, in decode tiles in float32 (decode_tile_shape) and in rows in
- * bfloat16, d and m NULL; or (float32 only) Q4_1 blocks, w the nibbles [out, in / 2],
+ * weight in the dtype, contiguous, in decode tiles (decode_tile_shape), d and m NULL; or (float32 only) Q4_1 blocks, w the nibbles [out, in / 2],
  * d and m [out, in / 32]; then the input and post-attention norm weights [hidden], the layer's K
  * and V pools [num_slots, Hkv, D] (the dtype);
  * stream [batch, hidden] in the dtype: the embeddings in, the final hidden state out;
@@ -262,26 +268,35 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
 #endif
 }
 
-/* The decode tiles of float32 weights (see tile_f32_at): (channels, lanes), written to shape[0],
- * shape[1]; returns 0, or -2 where there is no fused float32 step (nothing tiled). */
-int decode_tile_shape(int64_t *shape) {
+/* The decode tiles of the dtype's weights (bf16: 1 for bfloat16, 0 for float32; see tile_f32_at,
+ * tile_bf16_at): (channels, lanes), written to shape[0], shape[1]; returns 0, or -2 where there
+ * is no fused step in that dtype (nothing tiled). */
+int decode_tile_shape(int bf16, int64_t *shape) {
 #if defined(FUSED_F32)
+    if (bf16) {
+#if defined(__AVX512BF16__)
+        shape[0] = CHANNELS, shape[1] = LANES_BF16;
+        return 0;
+#else
+        return -2;
+#endif
+    }
     shape[0] = CHANNELS, shape[1] = LANES;
     return 0;
 #else
-    (void)shape;
+    (void)bf16, (void)shape;
     return -2;
 #endif
 }
 
 /* y [batch, out] = x [batch, in] @ w [out, in]^T in the dtype (bf16: 1 for bfloat16, 0 for
  * float32), each row on its own as in the fused step: the LM head after the fused layers. tiled:
- * w is in decode tiles (float32 only), else in rows; the same products in the same order either way.
+ * w is in decode tiles (decode_tile_shape), else in rows; the same products in the same order either way.
  * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for bfloat16). */
 int linear_rows(const void *w, int64_t in, int64_t out, int tiled, const void *x, int64_t batch, void *y, int bf16,
                 int num_threads) {
 #if defined(FUSED_F32)
-    if (in % 32 || out % CHANNELS || (bf16 && tiled)) return -1;
+    if (in % 32 || out % CHANNELS) return -1;
 #if !defined(__AVX512BF16__)
     if (bf16) return -2;
 #endif
@@ -289,7 +304,7 @@ int linear_rows(const void *w, int64_t in, int64_t out, int tiled, const void *x
     {
 #if defined(__AVX512BF16__)
         if (bf16)
-            project_rows_bf16(w, in, out, 0, x, batch, y);
+            project_rows_bf16(w, in, out, tiled, x, batch, y);
         else
 #endif
             project_rows_f32(w, in, out, tiled, x, batch, y);
