@@ -3,15 +3,15 @@
  * whether the step's dense projections are in decode tiles (decode_step.c) rather than rows. */
 
 /* dot_tile with the row count a constant, so the accumulators stay in registers. */
-static void NAME(dots)(const ELEM *w, int64_t in, int tiled, const ELEM *x, int64_t x_stride, int nr,
+static void NAME(dots)(const ELEM *w, int64_t in, int tiled, int prefetch, const ELEM *x, int64_t x_stride, int nr,
                        float out[ROWS][CHANNELS]) {
     switch (nr) {
-    case 1: NAME(dot_tile)(w, in, tiled, x, x_stride, 1, out); break;
+    case 1: NAME(dot_tile)(w, in, tiled, prefetch, x, x_stride, 1, out); break;
 #if ROWS > 2
-    case 2: NAME(dot_tile)(w, in, tiled, x, x_stride, 2, out); break;
-    case 3: NAME(dot_tile)(w, in, tiled, x, x_stride, 3, out); break;
+    case 2: NAME(dot_tile)(w, in, tiled, prefetch, x, x_stride, 2, out); break;
+    case 3: NAME(dot_tile)(w, in, tiled, prefetch, x, x_stride, 3, out); break;
 #endif
-    default: NAME(dot_tile)(w, in, tiled, x, x_stride, ROWS, out); break;
+    default: NAME(dot_tile)(w, in, tiled, prefetch, x, x_stride, ROWS, out); break;
     }
 }
 
@@ -19,12 +19,13 @@ static void NAME(dots)(const ELEM *w, int64_t in, int tiled, const ELEM *x, int6
  * channel tiles shared out among the team (called inside the parallel region; ends with the team's barrier). */
 static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled, const ELEM *x, int64_t batch,
                                ELEM *y) {
+    const int prefetch = prefetch_next(tiled, batch);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < out / CHANNELS; ++t) {
         for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
             const int nr = batch - r0 < ROWS ? (int)(batch - r0) : ROWS;
             float o[ROWS][CHANNELS];
-            NAME(dots)(w + t * CHANNELS * in, in, tiled, x + r0 * in, in, nr, o);
+            NAME(dots)(w + t * CHANNELS * in, in, tiled, prefetch, x + r0 * in, in, nr, o);
             for (int r = 0; r < nr; ++r)
                 for (int c = 0; c < CHANNELS; ++c) y[(r0 + r) * out + t * CHANNELS + c] = FROM_F(o[r][c]);
         }
@@ -56,13 +57,14 @@ static void NAME(gate_up_silu)(Weight weight, int64_t in, int64_t inter, const E
 #endif
     (void)xsum;
     const ELEM *w = weight.w;
+    const int prefetch = prefetch_next(STEP_TILED, batch);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < inter / CHANNELS; ++t) {
         for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
             const int nr = batch - r0 < ROWS ? (int)(batch - r0) : ROWS;
             float gate[ROWS][CHANNELS], up[ROWS][CHANNELS];
-            NAME(dots)(w + t * CHANNELS * in, in, STEP_TILED, x + r0 * in, in, nr, gate);
-            NAME(dots)(w + (inter + t * CHANNELS) * in, in, STEP_TILED, x + r0 * in, in, nr, up);
+            NAME(dots)(w + t * CHANNELS * in, in, STEP_TILED, prefetch, x + r0 * in, in, nr, gate);
+            NAME(dots)(w + (inter + t * CHANNELS) * in, in, STEP_TILED, prefetch, x + r0 * in, in, nr, up);
             for (int r = 0; r < nr; ++r)
                 for (int c = 0; c < CHANNELS; ++c) {
                     const float g = ROUND(gate[r][c]);
