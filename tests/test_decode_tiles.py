@@ -68,3 +68,37 @@ def test_a_packed_projection_in_tiles_keeps_one_copy_and_its_results(dtype):
     assert [b.data_ptr() for b in layer.buffers()] == [tiles.data_ptr()]  # the rows were let go
     assert torch.equal(layer.weight, w)
     assert torch.equal(layer(x), before)
+
+
+def test_the_tiled_head_computes_each_row_alone_and_as_f_linear_does(dtype):
+    """The LM head over decode tiles (``TiledLinear``): a row's result is the same bits whatever
+    the rows beside it (oneDNN's bfloat16 GEMM changes a row's result past 32 rows), and equals
+    ``F.linear`` up to float32 summation order (one rounding step in bfloat16)."""
+    w = _weight(dtype, 256, 128)
+    head = decode_tiles.try_tiled(w)
+    assert head is not None and torch.equal(head.weight, w)
+    x = torch.randn(40, 128, generator=torch.Generator().manual_seed(3)).to(dtype)
+    batch = head(x)
+    for i in (0, 17, 39):
+        assert torch.equal(head(x[i : i + 1]), batch[i : i + 1])
+    want = torch.nn.functional.linear(x, w).float()
+    step = 1e-5 if dtype == torch.float32 else 2**-7
+    assert ((batch.float() - want).abs() <= step * want.abs().max()).all()
+
+
+def test_a_packed_model_takes_the_tiled_head(dtype):
+    from kvmosaic.model.config import ModelConfig
+    from kvmosaic.model.llama import LlamaForCausalLM
+
+    if not packing_supported(dtype, torch.device("cpu")):
+        pytest.skip("no oneDNN packing in this torch")
+    model = LlamaForCausalLM(ModelConfig(272, 64, 128, 1, 4, 2, 16, 1e4, 1e-5, 512, True))
+    with torch.no_grad():
+        for i, p in enumerate(model.parameters()):
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
+    model = model.to(dtype)
+    model.pack_linears()
+    assert type(model.head_proj) is decode_tiles.TiledLinear
+    h = torch.randn(3, model.config.hidden_size).to(dtype)
+    torch.testing.assert_close(model.compute_logits(h), torch.nn.functional.linear(model.norm(h), model.output_weight).float(),
+                               rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)

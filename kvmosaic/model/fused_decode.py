@@ -137,22 +137,13 @@ class FusedDecode:
         return stream
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits of final hidden states ``[B, hidden]``. In float32 the final norm runs in
-        torch and the LM head in C (as the layers' projections: a row's logits do not depend on
-        the batch), twice as fast as torch's float32 GEMV here; in bfloat16 oneDNN's packed head
-        is faster than the C one (1.4 vs 1.9 ms, measured), so ``compute_logits`` runs, as it
-        does where the C function declines."""
-        if type(self.model.head_proj) is Q8_0Head:  # gguf: the head on its Q8_0 blocks, every row alone
+        """Float32 logits of final hidden states ``[B, hidden]``: the model's own head, which is
+        the C product over decode tiles where it serves (``decode_tiles.TiledLinear``, set by
+        ``pack_linears``: every row alone, as the layers' projections), or with
+        ``quantization="gguf"`` the Q8_0 head on its blocks, every row alone."""
+        if type(self.model.head_proj) is Q8_0Head:
             return self.model.head_proj.rows(self.model.norm(hidden).contiguous())
-        w = self.model.output_weight
-        if self.dtype != torch.float32 or w.dtype != self.dtype or not w.is_contiguous():
-            return self.model.compute_logits(hidden)
-        h = self.model.norm(hidden).contiguous()
-        out = torch.empty(h.shape[0], w.shape[0], dtype=self.dtype)
-        rc = kernels.decode_step_library().linear_rows(w.data_ptr(), w.shape[1], w.shape[0], 0, h.data_ptr(),
-                                                       h.shape[0], out.data_ptr(), int(self.dtype == torch.bfloat16),
-                                                       torch.get_num_threads())
-        return out.float() if rc == 0 else self.model.compute_logits(hidden)
+        return self.model.compute_logits(hidden)
 
     def _run(self, pointers, batch: int, *tensors: torch.Tensor | None) -> int:
         *tensors, max_len = tensors

@@ -285,9 +285,12 @@ class LlamaForCausalLM(nn.Module):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def pack_linears(self) -> int:
-        """Swap every projection (and the LM head) for a oneDNN pre-packed one where that
-        gives the same results (CPU bfloat16: identical; float32: to rounding, see
-        packed_linear.py). Returns how many were packed."""
+        """Swap every projection for a oneDNN pre-packed one where that gives the same results
+        (CPU bfloat16: identical; float32: to rounding, see packed_linear.py), and the LM head
+        for the C product over decode tiles (``decode_tiles.TiledLinear``: a few rows at the
+        memory bandwidth, each row on its own), or a packed one where that does not serve.
+        Returns how many were swapped."""
+        from .decode_tiles import try_tiled
         from .packed_linear import try_pack
 
         count = 0
@@ -297,7 +300,7 @@ class LlamaForCausalLM(nn.Module):
                 if packed is not None:
                     setattr(layer, name, packed)
                     count += 1
-        self.head_proj = try_pack(self.output_weight)
+        self.head_proj = try_tiled(self.output_weight) or try_pack(self.output_weight)
         self._fused = False
         return count + (self.head_proj is not None)
 
