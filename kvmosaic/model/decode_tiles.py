@@ -22,7 +22,7 @@ from torch import nn
 
 from . import kernels
 
-DTYPES = (torch.float32, torch.bfloat16)
+DTYPES = (torch.float32, torch.bfloat16)  # the fused decode step's dtypes
 
 
 def tile_shape(dtype: torch.dtype = torch.float32) -> tuple[int, int] | None:

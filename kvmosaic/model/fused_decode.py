@@ -37,9 +37,6 @@ log = logging.getLogger("kvmosaic")
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-DTYPES = (torch.bfloat16, torch.float32)
-
-
 def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
     """What the C step reads of a projection, as its ``(w, d, m)`` pointers: the ``[out, in]``
     weight in ``dtype`` of a bias-free plain or packed projection, in decode tiles
@@ -83,7 +80,7 @@ class FusedDecode:
                 or model.rotary.inv_freq.numel() * 2 != cfg.head_dim:
             return None
         dtype = model.layers[0].input_layernorm.weight.dtype
-        if dtype not in DTYPES:
+        if dtype not in decode_tiles.DTYPES:
             return None
         weights = []
         for layer in model.layers:

@@ -23,7 +23,7 @@ class PackedLinear(nn.Module):
     """A bias-free linear layer over a weight packed for oneDNN. Input ``[tokens, in]``.
 
     Besides oneDNN's copy it keeps the weight itself for the fused decode step, in rows or, once
-    :meth:`decode_tiles` was called, in that step's float32 tiles instead (model/decode_tiles.py):
+    :meth:`decode_tiles` was called, in that step's tiles instead (model/decode_tiles.py):
     one copy either way, since ``forward`` reads only oneDNN's."""
 
     def __init__(self, weight: torch.Tensor) -> None:
