@@ -98,13 +98,13 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
     const size_t bytes = (size_t)(2 * rows + batch * (widest + q_width) + 2 * num_threads * rows) * sizeof(ELEM);
     int64_t *first = malloc((size_t)(batch + 1) * sizeof(int64_t));
     if (first == NULL) return -3;
-    paged_decode_tasks(lens, batch, kv_heads, first);
-    const int64_t tasks = first[batch];
+    paged_decode_tasks(lens, batch, first);
+    const int64_t tasks = first[batch], parts_count = kv_heads * tasks;
     /* per thread: x's block sums for a Q4_1 projection, [batch, widest input / 32] */
     const int64_t longer_in = inter > q_width ? inter : q_width, widest_in = longer_in > hidden ? longer_in : hidden;
     const int64_t sums_per_thread = batch * (widest_in / 32);
-    float *parts = malloc((size_t)(tasks * group * (dim + 1) + num_threads * sums_per_thread) * sizeof(float));
-    float *part_lse = parts + tasks * group * dim, *sums = part_lse + tasks * group;
+    float *parts = malloc((size_t)(parts_count * group * (dim + 1) + num_threads * sums_per_thread) * sizeof(float));
+    float *part_lse = parts + parts_count * group * dim, *sums = part_lse + parts_count * group;
     ELEM *scratch = aligned_alloc(64, (bytes + 63) / 64 * 64);
     if (scratch == NULL || parts == NULL) {
         free(scratch), free(parts), free(first);
@@ -143,30 +143,33 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum);
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < tasks; ++t) {
-                /* one chunk of one (row, kv head): the group's q heads rotated (a private copy: the
-                 * row's other chunks read them too), attending the chunk's keys; the chunk that
-                 * holds the new token rotates its K and writes its K/V to the pool first */
-                int64_t b, g, c;
-                paged_decode_task(first, lens, batch, t, &b, &g, &c);
-                ELEM *row = wide + b * qkv_width, *k = row + q_width + g * dim, *v = k + kv_width;
-                memcpy(q_rot, row + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
-                rope_row(q_rot, cos + b * dim, signed_sin + b * dim, group, dim, IS_BF16);
-                for (int64_t i = 0; i < group * dim; ++i) q[i] = TO_F(q_rot[i]);
+                /* one chunk of one row, every kv head: the head's group of q heads rotated (a
+                 * private copy: the row's other chunks read them too), attending the chunk's keys;
+                 * the chunk that holds the new token rotates its K and writes its K/V to the pool first */
+                int64_t b, c;
+                paged_decode_task(first, batch, t, &b, &c);
                 const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
-                if (begin + n == lens[b]) {
-                    rope_row(k, cos + b * dim, signed_sin + b * dim, 1, dim, IS_BF16);
-                    memcpy(k_pool + slot_mapping[b] * kv_width + g * dim, k, (size_t)dim * sizeof(ELEM));
-                    memcpy(v_pool + slot_mapping[b] * kv_width + g * dim, v, (size_t)dim * sizeof(ELEM));
+                for (int64_t g = 0; g < kv_heads; ++g) {
+                    ELEM *row = wide + b * qkv_width, *k = row + q_width + g * dim, *v = k + kv_width;
+                    memcpy(q_rot, row + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
+                    rope_row(q_rot, cos + b * dim, signed_sin + b * dim, group, dim, IS_BF16);
+                    for (int64_t i = 0; i < group * dim; ++i) q[i] = TO_F(q_rot[i]);
+                    if (begin + n == lens[b]) {
+                        rope_row(k, cos + b * dim, signed_sin + b * dim, 1, dim, IS_BF16);
+                        memcpy(k_pool + slot_mapping[b] * kv_width + g * dim, k, (size_t)dim * sizeof(ELEM));
+                        memcpy(v_pool + slot_mapping[b] * kv_width + g * dim, v, (size_t)dim * sizeof(ELEM));
+                    }
+                    const int64_t part = decode_part(first, kv_heads, b, g, c);
+                    paged_decode_head(q, k_pool, v_pool, IS_BF16, IS_BF16, ctx_slots + b * max_len + begin, n, kv_heads,
+                                      dim, g, group, scale, parts + part * group * dim, part_lse + part * group);
                 }
-                paged_decode_head(q, k_pool, v_pool, IS_BF16, IS_BF16, ctx_slots + b * max_len + begin, n, kv_heads, dim,
-                                  g, group, scale, parts + t * group * dim, part_lse + t * group);
             }
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < batch; ++b) {
                 for (int64_t g = 0; g < kv_heads; ++g) {
-                    const int64_t t = first[b] + g * decode_chunks(lens[b]);
-                    paged_decode_merge(parts + t * group * dim, part_lse + t * group, decode_chunks(lens[b]), group, dim,
-                                       o, lse);
+                    const int64_t part = decode_part(first, kv_heads, b, g, 0);
+                    paged_decode_merge(parts + part * group * dim, part_lse + part * group, decode_chunks(lens[b]), group,
+                                       dim, o, lse);
                     ELEM *out = attn + b * q_width + g * group * dim;
                     for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
                 }

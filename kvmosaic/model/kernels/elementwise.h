@@ -23,8 +23,80 @@ INLINE void store(void *p, const int bf16, int64_t i, float v) {
         ((float *)p)[i] = v;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define ELEMENTWISE_X16 1 /* the rows 16 lanes at a time (the compiler leaves the bfloat16 loops scalar) */
+
+/* Elements i.. of a row (the lanes of mask) as float32; zeros in the other lanes. */
+INLINE __m512 load16(const void *p, const int bf16, int64_t i, __mmask16 mask) {
+    if (bf16) {
+        const __m256i h = mask == 0xffff ? _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + i))
+                                         : _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + i);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    return mask == 0xffff ? _mm512_loadu_ps((const float *)p + i) : _mm512_maskz_loadu_ps(mask, (const float *)p + i);
+}
+
+/* Stores the lanes of mask at elements i.., rounded as float_to_bf16 rounds (subnormals kept). */
+INLINE void store16(void *p, const int bf16, int64_t i, __m512 v, __mmask16 mask) {
+    if (bf16 && mask == 0xffff)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(float_to_bf16x16(v)));
+    else if (bf16)
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, mask, _mm512_cvtepi32_epi16(float_to_bf16x16(v)));
+    else if (mask == 0xffff)
+        _mm512_storeu_ps((float *)p + i, v);
+    else
+        _mm512_mask_storeu_ps((float *)p + i, mask, v);
+}
+
+/* store16 for v whose lanes are already values of the dtype (round16's): no rounding to do. */
+INLINE void store_exact16(void *p, const int bf16, int64_t i, __m512 v, __mmask16 mask) {
+    if (!bf16) {
+        store16(p, 0, i, v, mask);
+        return;
+    }
+    const __m256i h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(v), 16));
+    if (mask == 0xffff)
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), h);
+    else
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, mask, h);
+}
+
+/* v rounded to the dtype's nearest value (float32: v). */
+INLINE __m512 round16(__m512 v, const int bf16) {
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(float_to_bf16x16(v), 16)) : v;
+}
+
+INLINE __mmask16 lanes_from(int64_t i, int64_t n) {
+    return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
+}
+#endif
+
+/* out = rms_norm(x (+ residual)) * weight over one row, as Hugging Face's Llama: the sum with the
+ * residual rounded to the dtype (and written back to residual), float32 statistics, the normalized
+ * row rounded, times the weight and rounded. The layer path and the fused decode step both call
+ * it: a row gives the same bits in either. */
 INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void *out, int64_t hidden, float eps,
                          const int bf16) {
+#if defined(ELEMENTWISE_X16)
+    float row[MAX_HIDDEN] __attribute__((aligned(64)));
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t d = 0; d < hidden; d += 16) {
+        const __mmask16 mask = lanes_from(d, hidden);
+        __m512 v = load16(x, bf16, d, mask);
+        if (residual != NULL) {
+            v = round16(_mm512_add_ps(v, load16(residual, bf16, d, mask)), bf16);
+            store_exact16(residual, bf16, d, v, mask);
+        }
+        _mm512_store_ps(row + d, v);
+        squares = _mm512_add_ps(squares, _mm512_mul_ps(v, v)); /* rounded as torch's pow(2) */
+    }
+    const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps);
+    for (int64_t d = 0; d < hidden; d += 16) {
+        const __mmask16 mask = lanes_from(d, hidden);
+        const __m512 n = round16(_mm512_mul_ps(_mm512_load_ps(row + d), _mm512_set1_ps(inv)), bf16);
+        store16(out, bf16, d, _mm512_mul_ps(load16(weight, bf16, d, mask), n), mask);
+    }
+#else
     float row[MAX_HIDDEN];
     for (int64_t d = 0; d < hidden; ++d) row[d] = load(x, bf16, d);
     if (residual != NULL) {
@@ -42,6 +114,7 @@ INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void
         const float n = bf16 ? round_bf16(row[d] * inv) : row[d] * inv;
         store(out, bf16, d, load(weight, bf16, d) * n);
     }
+#endif
 }
 
 /* silu(g) = g / (1 + exp(-g)), with exp_clamped: within an ulp or two of torch's float32 SiLU
@@ -70,8 +143,28 @@ INLINE void silu_mul_row(const void *gate, const void *up, void *act, int64_t in
 }
 
 INLINE void rope_row(void *x, const float *cos, const float *signed_sin, int64_t heads, int64_t dim, const int bf16) {
-    float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], v[MAX_HEAD_DIM], out[MAX_HEAD_DIM];
     const int64_t half = dim / 2;
+#if defined(ELEMENTWISE_X16)
+    if (half % 16 == 0) { /* the loop below, 16 lanes at a time */
+        __m512 c[MAX_HEAD_DIM / 16], s[MAX_HEAD_DIM / 16];
+        for (int64_t k = 0; k < dim / 16; ++k) {
+            c[k] = round16(_mm512_loadu_ps(cos + 16 * k), bf16);
+            s[k] = round16(_mm512_loadu_ps(signed_sin + 16 * k), bf16);
+        }
+        const int64_t n = dim / 16, h = half / 16;
+        for (int64_t head = 0; head < heads; ++head) {
+            __m512 v[MAX_HEAD_DIM / 16];
+            for (int64_t k = 0; k < n; ++k) v[k] = load16(x, bf16, head * dim + 16 * k, 0xffff);
+            for (int64_t k = 0; k < n; ++k) {
+                const __m512 a = round16(_mm512_mul_ps(v[k], c[k]), bf16);
+                const __m512 b = round16(_mm512_mul_ps(v[k < h ? k + h : k - h], s[k]), bf16);
+                store16(x, bf16, head * dim + 16 * k, _mm512_add_ps(a, b), 0xffff);
+            }
+        }
+        return;
+    }
+#endif
+    float c[MAX_HEAD_DIM], s[MAX_HEAD_DIM], v[MAX_HEAD_DIM], out[MAX_HEAD_DIM];
     for (int64_t d = 0; d < dim; ++d) {
         c[d] = bf16 ? round_bf16(cos[d]) : cos[d];
         s[d] = bf16 ? round_bf16(signed_sin[d]) : signed_sin[d];

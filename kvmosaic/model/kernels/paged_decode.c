@@ -132,17 +132,25 @@ static inline __attribute__((always_inline)) void attend_one(
 #include <immintrin.h>
 #define HAVE_AVX512_BF16 1
 
-/* r[j] = the sum of v[j]'s 16 lanes, for 16 vectors at once: three rounds of shuffles and adds
- * (45 instructions, against 16 separate horizontal sums). */
-static inline __m512 sum_lanes_16(const __m512 *v) {
-    __m512 a[8], b[4];
-    for (int i = 0; i < 8; ++i)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; ++i)
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
-    const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
-    const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
+/* softmax_tile on two 16-lane vectors (TILE is 32): the same exponentials bit for bit
+ * (exp16_clamped is exp_clamped on 16 lanes), the tile's sum in another order. */
+_Static_assert(TILE == 32, "softmax_tile_x16 covers a tile with two vectors");
+static inline __attribute__((always_inline)) float softmax_tile_x16(float *scores, int64_t n, float *m, float *l) {
+    const __mmask16 lo = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+    const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (n - 16)) - 1);
+    const __m512 a = _mm512_maskz_loadu_ps(lo, scores), b = _mm512_maskz_loadu_ps(hi, scores + 16);
+    const __m512 none = _mm512_set1_ps(-3.0e38f);
+    const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(none, lo, a), _mm512_mask_mov_ps(none, hi, b)));
+    const float tile_max = top > *m ? top : *m;
+    const float correction = exp_clamped(*m - tile_max);
+    const __m512 shift = _mm512_set1_ps(tile_max);
+    const __m512 pa = _mm512_maskz_mov_ps(lo, exp16_clamped(_mm512_sub_ps(a, shift)));
+    const __m512 pb = _mm512_maskz_mov_ps(hi, exp16_clamped(_mm512_sub_ps(b, shift)));
+    _mm512_storeu_ps(scores, pa);
+    _mm512_storeu_ps(scores + 16, pb);
+    *l = *l * correction + _mm512_reduce_add_ps(_mm512_add_ps(pa, pb));
+    *m = tile_max;
+    return correction;
 }
 
 /* attend_one for a bfloat16 pool and bfloat16-exact queries on CPUs with AVX512-BF16: scores
@@ -183,7 +191,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
             }
         }
         for (int64_t r = 0; r < group; ++r) {
-            const __m512 corr = _mm512_set1_ps(softmax_tile(s + r * TILE, n, m + r, l + r));
+            const __m512 corr = _mm512_set1_ps(softmax_tile_x16(s + r * TILE, n, m + r, l + r));
             for (int64_t c = 0; c < vecs; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr);
         }
         for (int64_t j = 0; j < n; ++j) {
@@ -346,21 +354,19 @@ void paged_decode_merge(const float *parts, const float *part_lse, int64_t chunk
     }
 }
 
-void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t kv_heads, int64_t *first) {
+void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t *first) {
     first[0] = 0;
-    for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + kv_heads * decode_chunks(lens[b]);
+    for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + decode_chunks(lens[b]);
 }
 
-void paged_decode_task(const int64_t *first, const int64_t *lens, int64_t batch, int64_t t, int64_t *b, int64_t *g,
-                       int64_t *chunk) {
+void paged_decode_task(const int64_t *first, int64_t batch, int64_t t, int64_t *b, int64_t *chunk) {
     int64_t lo = 0, hi = batch; /* the last b with first[b] <= t */
     while (hi - lo > 1) {
         const int64_t mid = (lo + hi) / 2;
         if (first[mid] <= t) lo = mid;
         else hi = mid;
     }
-    const int64_t chunks = decode_chunks(lens[lo]), local = t - first[lo];
-    *b = lo, *g = local / chunks, *chunk = local % chunks;
+    *b = lo, *chunk = t - first[lo];
 }
 
 /* q [B, H, D] float32; k_pool, v_pool [num_slots, Hkv, D] (bfloat16 when kv_bf16, else float32);
@@ -378,31 +384,34 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
     const int64_t group = heads / kv_heads;
     int64_t *first = malloc((size_t)(batch + 1) * sizeof(int64_t));
     if (first == NULL) return -3;
-    paged_decode_tasks(lens, batch, kv_heads, first);
+    paged_decode_tasks(lens, batch, first);
     const int64_t tasks = first[batch];
-    float *parts = malloc((size_t)(tasks * group * (dim + 1)) * sizeof(float));
+    float *parts = malloc((size_t)(kv_heads * tasks * group * (dim + 1)) * sizeof(float));
     if (parts == NULL) {
         free(first);
         return -3;
     }
-    float *part_lse = parts + tasks * group * dim;
+    float *part_lse = parts + kv_heads * tasks * group * dim;
 #pragma omp parallel num_threads(num_threads)
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t t = 0; t < tasks; ++t) {
-            int64_t b, g, c;
-            paged_decode_task(first, lens, batch, t, &b, &g, &c);
+            int64_t b, c;
+            paged_decode_task(first, batch, t, &b, &c);
             const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
-            paged_decode_head(q + (b * heads + g * group) * dim, k_pool, v_pool, kv_bf16, q_bf16_exact,
-                              slots + b * max_len + begin, n, kv_heads, dim, g, group, scale, parts + t * group * dim,
-                              part_lse + t * group);
+            for (int64_t g = 0; g < kv_heads; ++g) {
+                const int64_t part = decode_part(first, kv_heads, b, g, c);
+                paged_decode_head(q + (b * heads + g * group) * dim, k_pool, v_pool, kv_bf16, q_bf16_exact,
+                                  slots + b * max_len + begin, n, kv_heads, dim, g, group, scale,
+                                  parts + part * group * dim, part_lse + part * group);
+            }
         }
 #pragma omp for collapse(2)
         for (int64_t b = 0; b < batch; ++b) {
             for (int64_t g = 0; g < kv_heads; ++g) {
-                const int64_t t = first[b] + g * decode_chunks(lens[b]), head = b * heads + g * group;
-                paged_decode_merge(parts + t * group * dim, part_lse + t * group, decode_chunks(lens[b]), group, dim,
-                                   out + head * dim, lse + head);
+                const int64_t part = decode_part(first, kv_heads, b, g, 0), head = b * heads + g * group;
+                paged_decode_merge(parts + part * group * dim, part_lse + part * group, decode_chunks(lens[b]), group,
+                                   dim, out + head * dim, lse + head);
             }
         }
     }

@@ -23,11 +23,18 @@ void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, i
 void paged_decode_merge(const float *parts, const float *part_lse, int64_t chunks, int64_t group, int64_t dim, float *out,
                         float *lse);
 
-/* The task table of a step: first[b] is the first task of sequence b (kv_heads * its chunks tasks,
- * kv head major), first[batch] the task count. */
-void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t kv_heads, int64_t *first);
+/* The task table of a step: a task is one chunk of one sequence, every kv head of it (a slot
+ * row holds all the heads' K, or V, side by side: the task reads its keys' rows whole). first[b]
+ * is sequence b's first task (its chunks in order), first[batch] the task count. */
+void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t *first);
 
-/* The (sequence, kv head, chunk) of task t: a binary search in first. */
-void paged_decode_task(const int64_t *first, const int64_t *lens, int64_t batch, int64_t t, int64_t *b, int64_t *g,
-                       int64_t *chunk);
+/* The (sequence, chunk) of task t: a binary search in first. */
+void paged_decode_task(const int64_t *first, int64_t batch, int64_t t, int64_t *b, int64_t *chunk);
+
+/* Where the partial result of (sequence b, kv head g, chunk c) goes among a step's kv_heads *
+ * first[batch]: a (sequence, kv head)'s chunks side by side, in order, as paged_decode_merge
+ * reads them. */
+static inline int64_t decode_part(const int64_t *first, int64_t kv_heads, int64_t b, int64_t g, int64_t c) {
+    return kv_heads * first[b] + g * (first[b + 1] - first[b]) + c;
+}
 #endif
