@@ -149,6 +149,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                 int64_t b, c;
                 paged_decode_task(first, batch, t, &b, &c);
                 const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
+                paged_decode_prefetch(k_pool, v_pool, ctx_slots + b * max_len + begin, n, kv_width * (int64_t)sizeof(ELEM));
                 for (int64_t g = 0; g < kv_heads; ++g) {
                     ELEM *row = wide + b * qkv_width, *k = row + q_width + g * dim, *v = k + kv_width;
                     memcpy(q_rot, row + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));

@@ -354,6 +354,17 @@ void paged_decode_merge(const float *parts, const float *part_lse, int64_t chunk
     }
 }
 
+void paged_decode_prefetch(const void *k_pool, const void *v_pool, const int64_t *seq_slots, int64_t n,
+                           int64_t row_bytes) {
+    for (int64_t j = 0; j < n; ++j) {
+        const char *k = (const char *)k_pool + seq_slots[j] * row_bytes, *v = (const char *)v_pool + seq_slots[j] * row_bytes;
+        for (int64_t offset = 0; offset < row_bytes; offset += 64) {
+            __builtin_prefetch(k + offset, 0, 2); /* prefetcht1: to L2 (an L1 target was slower, measured) */
+            __builtin_prefetch(v + offset, 0, 2);
+        }
+    }
+}
+
 void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t *first) {
     first[0] = 0;
     for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + decode_chunks(lens[b]);
@@ -399,6 +410,8 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
             int64_t b, c;
             paged_decode_task(first, batch, t, &b, &c);
             const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
+            paged_decode_prefetch(k_pool, v_pool, slots + b * max_len + begin, n,
+                                  kv_heads * dim * (kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float)));
             for (int64_t g = 0; g < kv_heads; ++g) {
                 const int64_t part = decode_part(first, kv_heads, b, g, c);
                 paged_decode_head(q + (b * heads + g * group) * dim, k_pool, v_pool, kv_bf16, q_bf16_exact,
