@@ -40,6 +40,23 @@ def test_rms_norm_matches_transformers_numerics(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hidden", [8, 100, 1000])
+def test_rms_norm_rows_of_any_width(dtype, hidden):
+    """Widths that are no multiple of a vector: the last lanes of a row are masked, never read or
+    written past it (the residual's next row and the output's are left as they were)."""
+    g = torch.Generator().manual_seed(hidden)
+    x = (torch.randn(6, hidden, generator=g) * 2).to(dtype)
+    weight = (torch.rand(hidden, generator=g) + 0.5).to(dtype)
+    stream = torch.randn(7, hidden, generator=g).to(dtype)  # one row more than x: must stay untouched
+    before = stream.clone()
+    got = kernels.rms_norm(x, weight, 1e-5, stream[:6])
+    assert torch.equal(stream[:6], x + before[:6]) and torch.equal(stream[6], before[6])
+    want = hf_rms_norm(x + before[:6], weight, 1e-5)
+    step = want.float().abs() * (2**-7 if dtype == torch.bfloat16 else 1e-6) + 1e-6
+    assert ((got.float() - want.float()).abs() <= step).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rms_norm_adds_the_residual_in_place(dtype):
     g = torch.Generator().manual_seed(1)
     x, residual = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype)
@@ -52,9 +69,11 @@ def test_rms_norm_adds_the_residual_in_place(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_rope_in_place_equals_torch_bit_for_bit(dtype):
-    """On a strided view like the one the model rotates (q and k inside the fused qkv output)."""
-    tokens, heads, kv_heads, dim = 7, 9, 3, 64
+@pytest.mark.parametrize("dim", [64, 128, 48])
+def test_rope_in_place_equals_torch_bit_for_bit(dtype, dim):
+    """On a strided view like the one the model rotates (q and k inside the fused qkv output);
+    head sizes whose half is a multiple of 16 (vectors) and one that is not (the scalar loop)."""
+    tokens, heads, kv_heads = 7, 9, 3
     rotary = RotaryEmbedding(dim, 10000.0, 4096)
     pos = torch.tensor([0, 1, 2, 500, 501, 4000, 4095])
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
