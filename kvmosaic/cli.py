@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -20,8 +21,19 @@ COMMANDS = {
 }
 
 
+# Iterations an OpenMP worker spins at a barrier before it sleeps, for a server (libgomp's default:
+# 300,000). A server shares its cores: beside a process busy 0.3 s of every second, each barrier of a
+# decode step waited for a spinner descheduled on the taken core, and a stream's chunks for up to the
+# whole burst (ITL p99 188-192 -> 73-77 ms, max 294-322 -> 81-90 ms with this value; quiet p50 13.6 /
+# 13.7 ms: benchmarks/bursty_neighbour.py, BENCHMARKS.md). libgomp reads it when torch loads it, so it
+# is set before anything imports torch; an operator's own value is kept.
+SERVE_GOMP_SPINCOUNT = "10000"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "serve" and "torch" not in sys.modules:
+        os.environ.setdefault("GOMP_SPINCOUNT", SERVE_GOMP_SPINCOUNT)
     parser = argparse.ArgumentParser(prog="kvmosaic", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     name = argv[0] if argv and argv[0] in COMMANDS else None

@@ -4,10 +4,13 @@ the same results whatever the count."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
+from kvmosaic import cli
 from kvmosaic.engine.threads import WINDOW, ThreadBudget, machine_busy_seconds, own_cpu_seconds
 
 
@@ -99,3 +102,20 @@ def test_outputs_do_not_depend_on_the_thread_count(dtype, restore_threads):
         for a, b in zip(one.logprobs, two.logprobs):
             assert a.keys() == b.keys()
             assert max(abs(a[t] - b[t]) for t in a) < 1e-4
+
+
+def test_serve_shortens_the_openmp_spin_before_torch_loads():
+    """``kvmosaic serve`` sets libgomp's spin count (``cli.SERVE_GOMP_SPINCOUNT``) in its own
+    process before torch is imported, unless the operator set one."""
+    code = ("import os\nfrom kvmosaic.cli import main\ntry:\n    main(['serve', '--help'])\nexcept SystemExit:\n    pass\n"
+            "print(os.environ.get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+
+    def spin(environment: dict) -> str:
+        done = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()[-1]
+
+    assert spin(env) == cli.SERVE_GOMP_SPINCOUNT
+    assert spin({**env, "GOMP_SPINCOUNT": "5"}) == "5"
+
