@@ -77,6 +77,11 @@ static inline __m512 exp16_clamped(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
+/* A mask of the first n of 16 lanes (none for n <= 0, all for n >= 16). */
+static inline __mmask16 first_lanes(int64_t n) {
+    return n <= 0 ? 0 : n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
+}
+
 /* 16 bfloat16 values as float32, and back as float_to_bf16 rounds them (in 32-bit lanes). */
 static inline __m512 bf16x16_to_float(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));

@@ -65,10 +65,6 @@ INLINE void store_exact16(void *p, const int bf16, int64_t i, __m512 v, __mmask1
 INLINE __m512 round16(__m512 v, const int bf16) {
     return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(float_to_bf16x16(v), 16)) : v;
 }
-
-INLINE __mmask16 lanes_from(int64_t i, int64_t n) {
-    return n - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - i)) - 1);
-}
 #endif
 
 /* out = rms_norm(x (+ residual)) * weight over one row, as Hugging Face's Llama: the sum with the
@@ -81,7 +77,7 @@ INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void
     float row[MAX_HIDDEN] __attribute__((aligned(64)));
     __m512 squares = _mm512_setzero_ps();
     for (int64_t d = 0; d < hidden; d += 16) {
-        const __mmask16 mask = lanes_from(d, hidden);
+        const __mmask16 mask = first_lanes(hidden - d);
         __m512 v = load16(x, bf16, d, mask);
         if (residual != NULL) {
             v = round16(_mm512_add_ps(v, load16(residual, bf16, d, mask)), bf16);
@@ -92,7 +88,7 @@ INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void
     }
     const float inv = 1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)hidden + eps);
     for (int64_t d = 0; d < hidden; d += 16) {
-        const __mmask16 mask = lanes_from(d, hidden);
+        const __mmask16 mask = first_lanes(hidden - d);
         const __m512 n = round16(_mm512_mul_ps(_mm512_load_ps(row + d), _mm512_set1_ps(inv)), bf16);
         store16(out, bf16, d, _mm512_mul_ps(load16(weight, bf16, d, mask), n), mask);
     }

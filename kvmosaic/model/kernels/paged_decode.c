@@ -136,8 +136,7 @@ static inline __attribute__((always_inline)) void attend_one(
  * (exp16_clamped is exp_clamped on 16 lanes), the tile's sum in another order. */
 _Static_assert(TILE == 32, "softmax_tile_x16 covers a tile with two vectors");
 static inline __attribute__((always_inline)) float softmax_tile_x16(float *scores, int64_t n, float *m, float *l) {
-    const __mmask16 lo = n >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << n) - 1);
-    const __mmask16 hi = n <= 16 ? 0 : n >= 32 ? (__mmask16)0xffff : (__mmask16)((1u << (n - 16)) - 1);
+    const __mmask16 lo = first_lanes(n), hi = first_lanes(n - 16);
     const __m512 a = _mm512_maskz_loadu_ps(lo, scores), b = _mm512_maskz_loadu_ps(hi, scores + 16);
     const __m512 none = _mm512_set1_ps(-3.0e38f);
     const float top = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_mask_mov_ps(none, lo, a), _mm512_mask_mov_ps(none, hi, b)));

@@ -55,10 +55,6 @@ static inline __m512 row_figure(__m512 per_row, int r) {
 DEFINE_REDUCE_ROWS(reduce_rows_max, _mm512_max_ps)
 DEFINE_REDUCE_ROWS(reduce_rows_add, _mm512_add_ps)
 
-static inline __mmask16 first_lanes(int64_t n) {
-    return n <= 0 ? 0 : n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
-}
-
 /* One online-softmax step of ``rows`` (<= MAX_ROWS) query rows over a BLOCK-key block: s[r][0]
  * (keys 0-15) and s[r][1] (16-31) hold row r's raw scores and are replaced by its probabilities
  * exp(score * scale - new max), exactly 0 for keys past the row's position ``last[r]``. The

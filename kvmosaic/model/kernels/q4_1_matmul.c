@@ -147,7 +147,7 @@ static inline void channel_tile_bf16(const uint8_t *qs, const float *d, const fl
     for (int r = 0; r < nr; ++r) {
         __m512 ms = _mm512_setzero_ps();
         for (int64_t c = 0; c < nblocks; c += 16) {
-            const __mmask16 k = nblocks - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (nblocks - c)) - 1);
+            const __mmask16 k = first_lanes(nblocks - c);
             ms = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + c), _mm512_maskz_loadu_ps(k, xsum + (r0 + r) * nblocks + c), ms);
         }
         dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + _mm512_reduce_add_ps(ms);
