@@ -89,6 +89,18 @@ def test_queries_at_any_positions_are_the_rows_of_the_whole_prefill(dim, dtype):
     assert prefill.prefill_attention(q[:2], k, v, slots, 0.1, torch.tensor([5, 61])) is None  # past the context
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_queries_read_in_place_from_the_fused_projection(dtype):
+    """q as the layer hands it over, a view of the QKV projection's rows (tokens further apart
+    than its heads): the same bits as from a contiguous copy."""
+    q, k, v, slots = _case(45, 20, 6, 2, 64, seed=3, dtype=dtype)
+    qkv = torch.cat((q.flatten(1), torch.randn(45, 2 * 2 * 64).to(dtype)), dim=1)
+    view = qkv[:, : 6 * 64].view(45, 6, 64)
+    assert not view.is_contiguous()
+    assert torch.equal(prefill.prefill_attention(view, k, v, slots, 0.125),
+                       prefill.prefill_attention(q.contiguous(), k, v, slots, 0.125))
+
+
 def test_declines_what_it_does_not_serve():
     q, k, v, slots = _case(8, 4, 4, 2, 64)
     assert prefill.prefill_attention(q.float(), k, v, slots, 0.125) is None  # dtypes that differ

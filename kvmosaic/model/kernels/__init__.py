@@ -110,8 +110,8 @@ def _library() -> ctypes.CDLL | None:
         "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, i32, i32]),
         "linear_rows": (i32, [ptr, i64, i64, i32, ptr, i64, ptr, i32, i32]),
         "decode_tile_shape": (i32, [i32, ptr]),
-        "prefill_attention": (i32, [ptr] * 5 + [i64] * 5 + [f32, ptr, i32]),
-        "prefill_attention_f32": (i32, [ptr] * 5 + [i64] * 5 + [f32, ptr, i32]),
+        "prefill_attention": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),
+        "prefill_attention_f32": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

@@ -43,16 +43,17 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 
 def _run(q, k_cache, v_cache, slots, scale, positions=None) -> torch.Tensor | None:
-    q = q.contiguous()
+    num_tokens, heads, dim = q.shape
+    if q.stride(2) != 1 or q.stride(1) != dim:  # heads contiguous; any token stride (a view of QKV's output)
+        q = q.contiguous()
     slots = slots.to(torch.int64).contiguous()
     if positions is not None:
         positions = positions.to(torch.int64).contiguous()
-    out = torch.empty_like(q)
-    num_tokens, heads, dim = q.shape
+    out = torch.empty(q.shape, dtype=q.dtype)
     fn = _library().prefill_attention if q.dtype == torch.bfloat16 else _library().prefill_attention_f32
     rc = fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(),
             None if positions is None else positions.data_ptr(), slots.numel(), num_tokens, heads, k_cache.shape[1],
-            dim, scale, out.data_ptr(), torch.get_num_threads())
+            dim, q.stride(0), scale, out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None
 
 

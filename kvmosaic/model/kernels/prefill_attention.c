@@ -9,8 +9,9 @@
  * [16-key tiles][D/2 pairs][16 keys][2] (a VDPBF16PS lane is one key's dot product with a pair
  * of a query's dimensions), V as [key pairs][D][2] (a lane is one output dimension over a pair of
  * keys). Then every (query head, tile of ROWS query rows) runs an online softmax over blocks of
- * BLOCK keys: scores by VDPBF16PS in float32 (products exact), softmax in float32, P rounded to
- * bfloat16 for P.V (VDPBF16PS again, float32 sums), as torch's flash kernel rounds P.
+ * BLOCK keys: scores by VDPBF16PS in float32 (products exact), softmax in float32 with a base-2
+ * exponential accurate to 4e-6 (exp2_coarse: P is then rounded to bfloat16, a relative step of
+ * 2^-8, as torch's flash kernel rounds it), P.V by VDPBF16PS again with float32 sums.
  *
  * Invariants: a query row's result depends only on its own query, its position and the context
  * up to it: rows never share sums, key blocks start at the context's first key whatever the
@@ -55,36 +56,66 @@ static inline __m512 row_figure(__m512 per_row, int r) {
 DEFINE_REDUCE_ROWS(reduce_rows_max, _mm512_max_ps)
 DEFINE_REDUCE_ROWS(reduce_rows_add, _mm512_add_ps)
 
+/* 2^t on 16 lanes, to 4e-6 relative (a degree-4 fit on [-1/2, 1/2] after taking out the nearest
+ * integer); t below -150 gives 0, large t +inf. For probabilities that are rounded to bfloat16
+ * (relative step 2^-8) before P.V: a third of exp16_clamped's instructions. */
+static inline __m512 exp2_coarse(__m512 t) {
+    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 f = _mm512_sub_ps(t, n);
+    __m512 p = _mm512_set1_ps(9.6721810036e-3f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5922119334e-2f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022228004e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312102353e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, n);
+}
+
 /* One online-softmax step of ``rows`` (<= MAX_ROWS) query rows over a BLOCK-key block: s[r][0]
  * (keys 0-15) and s[r][1] (16-31) hold row r's raw scores and are replaced by its probabilities
- * exp(score * scale - new max), exactly 0 for keys past the row's position ``last[r]``. The
- * rows' running maxima and sums live in *m and *l (lane layout of row_figure); corr[r] gets the
- * factor row r's accumulator must be scaled by (exactly 1 when the block is wholly past the row:
- * max and sum unchanged). The rows go through the reductions together, so their horizontal
- * steps share instructions. */
-static inline void softmax_rows(__m512 s[][2], int rows, const int64_t *last, int64_t j0, float scale, __m512 *m,
-                                __m512 *l, __m512 *corr) {
-    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+ * exp(score * scale - max), exactly 0 for keys past the row's position ``last[r]``. The rows'
+ * running maxima (of score * unit) and sums live in *m and *l (lane layout of row_figure); corr[r]
+ * gets the factor row r's accumulator must be scaled by (exactly 1 when the block is wholly past
+ * the row: max and sum unchanged). The rows go through the reductions together, so their
+ * horizontal steps share instructions.
+ *
+ * coarse (a constant: the bfloat16 tiles, whose probabilities are rounded to bfloat16): the
+ * exponents in base 2, score * scale * log2(e) - max in one fused multiply-subtract, by
+ * exp2_coarse; else (float32) score * scale rounded, minus the max, by exp16_clamped, as torch's
+ * float32 kernel computes them. The maxima are taken over the raw scores and then scaled: rounding
+ * is monotonic, so that is the maximum of the scaled scores. */
+static inline void softmax_rows(__m512 s[][2], int rows, const int64_t *last, int64_t j0, float scale, const int coarse,
+                                __m512 *m, __m512 *l, __m512 *corr) {
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY), unit = _mm512_set1_ps(coarse ? scale * EXP_LOG2E : scale);
     __mmask16 lo[MAX_ROWS], hi[MAX_ROWS];
     __m512 top[MAX_ROWS], sum[MAX_ROWS];
+    int64_t seen = last[0];
+    for (int r = 1; r < rows; ++r) seen = last[r] < seen ? last[r] : seen;
+    const int whole = j0 + BLOCK <= seen + 1; /* every row sees every key of the block */
     for (int r = 0; r < MAX_ROWS; ++r) {
         top[r] = minus_inf, sum[r] = _mm512_setzero_ps();
         if (r >= rows) continue;
+        if (whole) {
+            lo[r] = hi[r] = 0xffff;
+            top[r] = _mm512_max_ps(s[r][0], s[r][1]);
+            continue;
+        }
         const int64_t visible = last[r] - j0 + 1;
         lo[r] = first_lanes(visible), hi[r] = first_lanes(visible - 16);
-        s[r][0] = _mm512_mul_ps(s[r][0], _mm512_set1_ps(scale));
-        s[r][1] = _mm512_mul_ps(s[r][1], _mm512_set1_ps(scale));
         top[r] = _mm512_max_ps(_mm512_mask_mov_ps(minus_inf, lo[r], s[r][0]),
                                _mm512_mask_mov_ps(minus_inf, hi[r], s[r][1]));
     }
-    const __m512 m_new = _mm512_max_ps(*m, reduce_rows_max(top));
-    /* m - m_new <= 0; -inf - finite (a row's first block) is clamped to -87: a factor of ~1e-38 on
-     * an accumulator that is still 0 */
-    const __m512 factor = exp16_clamped(_mm512_sub_ps(*m, m_new));
+    const __m512 m_new = _mm512_max_ps(*m, _mm512_mul_ps(reduce_rows_max(top), unit));
+    /* m - m_new <= 0; -inf - finite (a row's first block) is clamped: a factor of ~0 on an
+     * accumulator that is still 0 */
+    const __m512 factor = coarse ? exp2_coarse(_mm512_max_ps(_mm512_sub_ps(*m, m_new), _mm512_set1_ps(-200.0f)))
+                                 : exp16_clamped(_mm512_sub_ps(*m, m_new));
     for (int r = 0; r < rows; ++r) {
         const __m512 mr = row_figure(m_new, r);
-        s[r][0] = _mm512_maskz_mov_ps(lo[r], exp16_clamped(_mm512_sub_ps(s[r][0], mr)));
-        s[r][1] = _mm512_maskz_mov_ps(hi[r], exp16_clamped(_mm512_sub_ps(s[r][1], mr)));
+        for (int h = 0; h < 2; ++h) {
+            const __m512 p = coarse ? exp2_coarse(_mm512_fmsub_ps(s[r][h], unit, mr))
+                                    : exp16_clamped(_mm512_sub_ps(_mm512_mul_ps(s[r][h], unit), mr));
+            s[r][h] = whole ? p : _mm512_maskz_mov_ps(h ? hi[r] : lo[r], p);
+        }
         sum[r] = _mm512_add_ps(s[r][0], s[r][1]);
         corr[r] = row_figure(factor, r);
     }
@@ -169,7 +200,7 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
             }                                                                                                        \
             uint16_t probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                \
             __m512 corr[ROWS];                                                                                       \
-            softmax_rows(s, ROWS, last, j0, scale, &m, &l, corr);                                                    \
+            softmax_rows(s, ROWS, last, j0, scale, 1, &m, &l, corr);                                                 \
             for (int r = 0; r < ROWS; ++r) {                                                                         \
                 for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr[r]);                         \
                 _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));                        \
@@ -198,14 +229,15 @@ DEFINE_TILE(tile_d64, ROWS_D64, 4)
 DEFINE_TILE(tile_d128, ROWS_D128, 8)
 #endif
 
-/* out [T, heads, D] = causal attention of q [T, heads, D] over K and V at slots [ctx] of the pools
- * [num_slots, kv_heads, D]; all bfloat16. Query i is at context position positions[i] (it sees
+/* out [T, heads, D] = causal attention of q [T, heads, D] (heads contiguous, q_stride elements
+ * from one token's to the next: q may be a view of the fused QKV projection's output) over K and
+ * V at slots [ctx] of the pools [num_slots, kv_heads, D]; all bfloat16. Query i is at context position positions[i] (it sees
  * keys 0..positions[i]; each < ctx) or, with positions NULL, the span's tokens are the last T of
  * the context. Returns 0, -1 for a shape it does not serve (D other than 64 or 128, T > ctx), -2
  * without AVX512-BF16, -3 out of memory. */
 int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots,
                       const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads, int64_t kv_heads,
-                      int64_t dim, float scale, uint16_t *out, int num_threads) {
+                      int64_t dim, int64_t q_stride, float scale, uint16_t *out, int num_threads) {
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
     if ((dim != 64 && dim != 128) || kv_heads < 1 || heads % kv_heads || num_tokens > ctx || num_tokens < 0) return -1;
     if (num_tokens == 0) return 0;
@@ -236,7 +268,7 @@ int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t 
                 int64_t index[MAX_ROWS], last[MAX_ROWS];
                 const int nr = tile_rows(t, rows, num_tokens, positions, past, index, last);
                 for (int r = 0; r < rows; ++r) {
-                    q_rows[r] = q + (index[r] * heads + h) * dim;
+                    q_rows[r] = q + index[r] * q_stride + h * dim;
                     out_rows[r] = out + (index[r] * heads + h) * dim;
                 }
                 if (dim == 64)
@@ -250,7 +282,7 @@ int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t 
     return 0;
 #else
     (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)positions, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
-    (void)dim, (void)scale, (void)out, (void)num_threads;
+    (void)dim, (void)q_stride, (void)scale, (void)out, (void)num_threads;
     return -2;
 #endif
 }
@@ -296,7 +328,7 @@ static void pack_f32(const float *k_pool, const float *v_pool, const int64_t *sl
             }                                                                                                        \
             float probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                   \
             __m512 corr[ROWS];                                                                                       \
-            softmax_rows(s, ROWS, last, j0, scale, &m, &l, corr);                                                    \
+            softmax_rows(s, ROWS, last, j0, scale, 0, &m, &l, corr);                                                 \
             for (int r = 0; r < ROWS; ++r) {                                                                         \
                 for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr[r]);                         \
                 _mm512_store_ps(probs[r], s[r][0]);                                                                  \
@@ -323,13 +355,13 @@ DEFINE_TILE_F32(tile_f32_d128, 3, 8)
 
 int prefill_attention_f32_avx2(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
                                const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads,
-                               int64_t kv_heads, int64_t dim, float scale, float *out, int num_threads);
+                               int64_t kv_heads, int64_t dim, int64_t q_stride, float scale, float *out, int num_threads);
 
 /* prefill_attention in float32 (AVX-512; on AVX2 with FMA prefill_attention_avx2.c's): the same
  * contract, P not rounded. */
 int prefill_attention_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
                           const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads, int64_t kv_heads,
-                          int64_t dim, float scale, float *out, int num_threads) {
+                          int64_t dim, int64_t q_stride, float scale, float *out, int num_threads) {
 #if defined(__AVX512F__)
     if ((dim != 64 && dim != 128) || kv_heads < 1 || heads % kv_heads || num_tokens > ctx || num_tokens < 0) return -1;
     if (num_tokens == 0) return 0;
@@ -354,7 +386,7 @@ int prefill_attention_f32(const float *q, const float *k_pool, const float *v_po
                 int64_t index[MAX_ROWS], last[MAX_ROWS];
                 const int nr = tile_rows(t, rows, num_tokens, positions, past, index, last);
                 for (int r = 0; r < rows; ++r) {
-                    q_rows[r] = q + (index[r] * heads + h) * dim;
+                    q_rows[r] = q + index[r] * q_stride + h * dim;
                     out_rows[r] = out + (index[r] * heads + h) * dim;
                 }
                 if (dim == 64)
@@ -367,11 +399,11 @@ int prefill_attention_f32(const float *q, const float *k_pool, const float *v_po
     free(packed);
     return 0;
 #elif defined(__AVX2__) && defined(__FMA__)
-    return prefill_attention_f32_avx2(q, k_pool, v_pool, slots, positions, ctx, num_tokens, heads, kv_heads, dim, scale,
-                                      out, num_threads);
+    return prefill_attention_f32_avx2(q, k_pool, v_pool, slots, positions, ctx, num_tokens, heads, kv_heads, dim,
+                                      q_stride, scale, out, num_threads);
 #else
     (void)q, (void)k_pool, (void)v_pool, (void)slots, (void)positions, (void)ctx, (void)num_tokens, (void)heads, (void)kv_heads;
-    (void)dim, (void)scale, (void)out, (void)num_threads;
+    (void)dim, (void)q_stride, (void)scale, (void)out, (void)num_threads;
     return -2;
 #endif
 }

@@ -191,7 +191,7 @@ static void tile(const float *const *q_rows, const int64_t *last, int nr, int64_
 
 int prefill_attention_f32_avx2(const float *q, const float *k_pool, const float *v_pool, const int64_t *slots,
                                const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads,
-                               int64_t kv_heads, int64_t dim, float scale, float *out, int num_threads) {
+                               int64_t kv_heads, int64_t dim, int64_t q_stride, float scale, float *out, int num_threads) {
     if ((dim != 64 && dim != 128) || kv_heads < 1 || heads % kv_heads || num_tokens > ctx || num_tokens < 0) return -1;
     if (num_tokens == 0) return 0;
     const int64_t group = heads / kv_heads, past = ctx - num_tokens, ctx_pad = (ctx + BLOCK - 1) / BLOCK * BLOCK;
@@ -217,7 +217,7 @@ int prefill_attention_f32_avx2(const float *q, const float *k_pool, const float 
                 for (int r = 0; r < ROWS; ++r) {
                     const int64_t index = r < nr ? i0 + r : i0;
                     last[r] = positions != NULL ? positions[index] : past + index;
-                    q_rows[r] = q + (index * heads + h) * dim;
+                    q_rows[r] = q + index * q_stride + h * dim;
                     out_rows[r] = out + (index * heads + h) * dim;
                 }
                 tile(q_rows, last, nr, dim, kt, vv, scale, out_rows);
