@@ -52,7 +52,7 @@ def _count_fused_steps(model, monkeypatch) -> list[int]:
     served = [0]
 
     def count(fused, *args):
-        out = fused(*args)
+        out = fused.step(*args)
         served[0] += out is not None
         return out
 
@@ -60,19 +60,24 @@ def _count_fused_steps(model, monkeypatch) -> list[int]:
     return served
 
 
+class _Around:
+    """A fused step whose ``step`` (what the model calls) runs ``around`` instead."""
+
+    def __init__(self, fused: FusedDecode, around) -> None:
+        self.fused, self.around = fused, around
+
+    def step(self, x, positions, kv, meta, logits_index):
+        return self.around(self.fused, x, positions, kv, meta, logits_index)
+
+
 def _around_fused_steps(model, monkeypatch, around) -> None:
-    """Run ``around(fused, x, positions, kv, meta)`` in place of every fused step the model takes."""
+    """Run ``around(fused, x, positions, kv, meta, logits_index)`` (returning the step's logits) in
+    place of every fused step the model takes."""
     decide = model.fused_decode
 
     def wrapped(kv, meta):
         fused = decide(kv, meta)
-        if fused is None:
-            return None
-
-        def call(x, positions, kv, meta):
-            return around(fused, x, positions, kv, meta)
-        call.logits = fused.logits
-        return call
+        return None if fused is None else _Around(fused, around)
 
     monkeypatch.setattr(model, "fused_decode", wrapped)  # the model is shared by the tests' engines
 
@@ -123,8 +128,11 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, 
     llm = _fused_llm(dtype, num_kv_blocks=128, quantization=quantization)
     checked = []
 
-    def check_rows(fused, x, positions, kv, meta):
+    def check_rows(fused, x, positions, kv, meta, logits_index):
         batched = fused(x, positions, kv, meta)
+        assert (fused.head is not None) == (quantization is None)  # a GGUF's Q8_0 head runs after the step
+        logits = fused.step(x, positions, kv, meta, logits_index)  # the head in the same call, where it is fused
+        assert torch.equal(logits, fused.logits(batched)), "the fused head gave other logits than the head after it"
         d = meta.decode
         for row in range(x.shape[0]):
             n = int(d.lens[row])
@@ -132,9 +140,10 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, 
                 torch.zeros(1, dtype=torch.long), d.ctx_slots[row : row + 1, :n], None, lens=d.lens[row : row + 1]))
             one = fused(x[row : row + 1], positions[row : row + 1], kv, alone)
             assert torch.equal(one[0], batched[row]), f"row {row} of {x.shape[0]} changed alone"
-            assert torch.equal(fused.logits(one)[0], fused.logits(batched)[row]), "its logits changed alone"
+            assert torch.equal(fused.step(x[row : row + 1], positions[row : row + 1], kv, alone, None)[0], logits[row]), \
+                "its logits changed alone"
         checked.append(x.shape[0])
-        return batched
+        return logits
 
     _around_fused_steps(llm.engine.model, monkeypatch, check_rows)
     prompts = _prompts(llm.tokenizer)
@@ -212,7 +221,7 @@ def test_follows_the_pool_it_is_given_when_another_pool_shares_its_first_address
     llm = _fused_llm("float32", num_kv_blocks=64)
     checked = []
 
-    def check_pools(fused, x, positions, kv, meta):
+    def check_pools(fused, x, positions, kv, meta, logits_index):
         other = copy.copy(kv)  # layer 0 the same tensors, the others copies at other addresses
         other.k = kv.k[:1] + [t.clone() for t in kv.k[1:]]
         other.v = kv.v[:1] + [t.clone() for t in kv.v[1:]]
@@ -224,7 +233,7 @@ def test_follows_the_pool_it_is_given_when_another_pool_shares_its_first_address
             assert torch.equal(other.v[layer][slots], kv.v[layer][slots]), f"layer {layer}'s V went elsewhere"
         assert torch.equal(out, again)
         checked.append(x.shape[0])
-        return out
+        return fused.step(x, positions, kv, meta, logits_index)
 
     _around_fused_steps(llm.engine.model, monkeypatch, check_pools)
     llm.generate(_prompts(llm.tokenizer)[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))

@@ -56,6 +56,18 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
     return (module.decode_tiles(),) if type(module) is PackedLinear else (decode_tiles.to_tiles(w),)
 
 
+def _head_in_tiles(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(final norm weight, head tiles) where the model's head is ``decode_tiles.TiledLinear`` in
+    ``dtype`` after a plain RMSNorm (``pack_linears``' choice on this CPU), else None."""
+    from .llama import RMSNorm
+
+    head, norm = model.head_proj, model.norm
+    if type(head) is not decode_tiles.TiledLinear or head.tiles.dtype != dtype or type(norm) is not RMSNorm \
+            or norm.weight.dtype != dtype:
+        return None
+    return norm.weight.detach().contiguous(), head.tiles
+
+
 class FusedDecode:
     """The fused step for one model; build with :meth:`for_model` (None where it does not serve)."""
 
@@ -64,6 +76,9 @@ class FusedDecode:
         self.model, self.dtype = model, dtype
         # [layer][(w, d, m) of qkv, o, gate_up, down, norm1, norm2]: the C step's pointers, kept alive
         self.weights = weights
+        # (final norm weight, head tiles) when the head is the C product over decode tiles in the
+        # step's dtype: the step then ends with the logits (see step); else None
+        self.head = _head_in_tiles(model, dtype)
         self.shape = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim)
         self.eps, self.scale = float(cfg.rms_norm_eps), float(model.layers[0].scale)
@@ -95,7 +110,7 @@ class FusedDecode:
             pointers = [t for p in projections for t in (*p, None, None)[:3]]
             weights.append([*pointers, *(n.weight.detach().contiguous() for n in norms)])
         fused = cls(model, weights, dtype)
-        rc = fused._run(None, 0, *[None] * 6, 1)
+        rc = fused._run(None, 0, *[None] * 6, max_len=1)
         if rc != 0:
             log.info("no fused decode step here (code %d): the layer-by-layer path runs", rc)
             return None
@@ -127,11 +142,37 @@ class FusedDecode:
         cos, signed_sin = (t.contiguous() for t in self.model.rotary.rows(positions))
         slot_mapping, ctx_slots, lens = (t.to(torch.int64).contiguous() for t in (meta.slot_mapping, d.ctx_slots, d.lens))
         rc = self._run(self._layer_pointers(kv), stream.shape[0], stream, cos, signed_sin, slot_mapping, ctx_slots, lens,
-                       ctx_slots.shape[1])
+                       max_len=ctx_slots.shape[1])
         if rc != 0:
             log.warning("fused decode step failed (code %d): this step runs layer by layer", rc)
             return None
         return stream
+
+    def step(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV, meta: AttentionMetadata,
+             logits_index: torch.Tensor | None) -> torch.Tensor | None:
+        """Float32 logits at ``logits_index`` (every row when None) of the decode tokens whose
+        embeddings are ``x``; None where the C function declines. When every row is wanted and the
+        head is in decode tiles, the final norm and the head run in the same C call (no return to
+        Python, no second parallel region): the same values as :meth:`__call__` then
+        :meth:`logits`, bit for bit."""
+        if self.head is None or (logits_index is not None and logits_index.numel() != x.shape[0]):
+            hidden = self(x, positions, kv, meta)
+            if hidden is None:
+                return None
+            return self.logits(hidden if logits_index is None else hidden.index_select(0, logits_index))
+        # logits_index, when given, is every row in order: the runner asks for rows ascending
+        d = meta.decode
+        stream = x.contiguous().clone()
+        cos, signed_sin = (t.contiguous() for t in self.model.rotary.rows(positions))
+        slot_mapping, ctx_slots, lens = (t.to(torch.int64).contiguous() for t in (meta.slot_mapping, d.ctx_slots, d.lens))
+        norm, tiles = self.head
+        logits = torch.empty(stream.shape[0], tiles.shape[0], dtype=torch.float32)
+        rc = self._run(self._layer_pointers(kv), stream.shape[0], stream, cos, signed_sin, slot_mapping, ctx_slots, lens,
+                       max_len=ctx_slots.shape[1], norm=norm, head=tiles, vocab=tiles.shape[0], logits=logits)
+        if rc != 0:
+            log.warning("fused decode step failed (code %d): this step runs layer by layer", rc)
+            return None
+        return logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final hidden states ``[B, hidden]``: the model's own head, which is
@@ -142,10 +183,11 @@ class FusedDecode:
             return self.model.head_proj.rows(self.model.norm(hidden).contiguous())
         return self.model.compute_logits(hidden)
 
-    def _run(self, pointers, batch: int, *tensors: torch.Tensor | None) -> int:
-        *tensors, max_len = tensors
+    def _run(self, pointers, batch: int, *tensors: torch.Tensor | None, max_len: int, norm: torch.Tensor | None = None,
+             head: torch.Tensor | None = None, vocab: int = 0, logits: torch.Tensor | None = None) -> int:
         layers, hidden, inter, heads, kv_heads, dim = self.shape
         return kernels.decode_step_library().decode_step(
             pointers, layers, hidden, inter, heads, kv_heads, dim, self.eps, self.scale,
-            *(None if t is None else t.data_ptr() for t in tensors), max_len, batch, int(self.dtype == torch.bfloat16),
-            torch.get_num_threads())
+            *(None if t is None else t.data_ptr() for t in tensors), max_len, batch,
+            *(None if t is None else t.data_ptr() for t in (norm, head)), vocab, None if logits is None else logits.data_ptr(),
+            int(self.dtype == torch.bfloat16), torch.get_num_threads())

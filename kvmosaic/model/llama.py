@@ -324,11 +324,9 @@ class LlamaForCausalLM(nn.Module):
         which skips the vocabulary projection for every prompt token but the last."""
         x = self.embed(input_ids)
         fused = self.fused_decode(kv, meta)
-        hidden = fused(x, positions, kv, meta) if fused is not None else None
-        if hidden is not None:
-            if logits_index is not None:
-                hidden = hidden.index_select(0, logits_index)
-            return fused.logits(hidden)
+        logits = fused.step(x, positions, kv, meta, logits_index) if fused is not None else None
+        if logits is not None:
+            return logits
         ropes = [RopeAt.at(rotary, positions) for rotary in self.rotaries]
         views: dict[tuple, AttentionMetadata] = {}  # per (group, window), built once per step
         bands: dict = {}  # band masks, shared by the groups (positions only)

@@ -239,13 +239,18 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
  * cos, signed_sin [batch, D] float32 (model/llama.py's tables at the tokens' positions);
  * slot_mapping [batch]: where each token's K/V goes; ctx_slots [batch, max_len] and lens [batch]:
  * each sequence's context, the new token last.
+ * head_norm [hidden], head [vocab, hidden] in decode tiles (the dtype), logits [batch, vocab] float32:
+ * with logits non-NULL, also the model's final RMSNorm and LM head over every row, each logit
+ * rounded to the dtype and widened (what linear_rows and a widening give after the step); NULL:
+ * the hidden state only.
  * bf16: 1 for bfloat16, 0 for float32.
  * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for
  * bfloat16), -3 out of memory; with batch 0 it only answers whether it serves the shapes. */
 int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t inter, int64_t heads,
                 int64_t kv_heads, int64_t dim, float eps, float scale, void *stream, const float *cos,
                 const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots, const int64_t *lens,
-                int64_t max_len, int64_t batch, int bf16, int num_threads) {
+                int64_t max_len, int64_t batch, const void *head_norm, const void *head, int64_t vocab, float *logits,
+                int bf16, int num_threads) {
 #if defined(FUSED_F32)
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
@@ -264,18 +269,18 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
 #if defined(__AVX512BF16__)
         return batch == 0 ? 0 : decode_step_bf16(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
                                                  stream, cos, signed_sin, slot_mapping, ctx_slots, lens, max_len, batch,
-                                                 num_threads);
+                                                 head_norm, head, vocab, logits, num_threads);
 #else
         return -2;
 #endif
     }
     return batch == 0 ? 0 : decode_step_f32(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
                                             stream, cos, signed_sin, slot_mapping, ctx_slots, lens, max_len, batch,
-                                            num_threads);
+                                            head_norm, head, vocab, logits, num_threads);
 #else
     (void)layers, (void)num_layers, (void)hidden, (void)inter, (void)heads, (void)kv_heads, (void)dim, (void)eps;
     (void)scale, (void)stream, (void)cos, (void)signed_sin, (void)slot_mapping, (void)ctx_slots, (void)lens;
-    (void)max_len, (void)batch, (void)bf16, (void)num_threads;
+    (void)max_len, (void)batch, (void)head_norm, (void)head, (void)vocab, (void)logits, (void)bf16, (void)num_threads;
     return -2;
 #endif
 }
@@ -316,10 +321,10 @@ int linear_rows(const void *w, int64_t in, int64_t out, int tiled, const void *x
     {
 #if defined(__AVX512BF16__)
         if (bf16)
-            project_rows_bf16(w, in, out, tiled, x, batch, y);
+            project_rows_bf16(w, in, out, tiled, x, batch, y, NULL);
         else
 #endif
-            project_rows_f32(w, in, out, tiled, x, batch, y);
+            project_rows_f32(w, in, out, tiled, x, batch, y, NULL);
     }
     return 0;
 #else

@@ -16,9 +16,10 @@ static void NAME(dots)(const ELEM *w, int64_t in, int tiled, int prefetch, const
 }
 
 /* y [batch, out] = x [batch, in] @ w [out, in]^T (rounded to the dtype; w in decode tiles when tiled);
- * channel tiles shared out among the team (called inside the parallel region; ends with the team's barrier). */
+ * with y NULL, the same values widened to float32 into yf (logits). Channel tiles shared out among
+ * the team (called inside the parallel region; ends with the team's barrier). */
 static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled, const ELEM *x, int64_t batch,
-                               ELEM *y) {
+                               ELEM *y, float *yf) {
     const int prefetch = prefetch_next(tiled, batch);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < out / CHANNELS; ++t) {
@@ -27,7 +28,11 @@ static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled
             float o[ROWS][CHANNELS];
             NAME(dots)(w + t * CHANNELS * in, in, tiled, prefetch, x + r0 * in, in, nr, o);
             for (int r = 0; r < nr; ++r)
-                for (int c = 0; c < CHANNELS; ++c) y[(r0 + r) * out + t * CHANNELS + c] = FROM_F(o[r][c]);
+                for (int c = 0; c < CHANNELS; ++c) {
+                    const ELEM v = FROM_F(o[r][c]);
+                    if (y != NULL) y[(r0 + r) * out + t * CHANNELS + c] = v;
+                    else yf[(r0 + r) * out + t * CHANNELS + c] = TO_F(v);
+                }
         }
     }
 }
@@ -41,7 +46,7 @@ static void NAME(project)(Weight w, int64_t in, int64_t out, const ELEM *x, int6
     }
 #endif
     (void)xsum;
-    NAME(project_rows)(w.w, in, out, STEP_TILED, x, batch, y);
+    NAME(project_rows)(w.w, in, out, STEP_TILED, x, batch, y, NULL);
 }
 
 /* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
@@ -89,7 +94,8 @@ static void NAME(add_and_norm)(const ELEM *delta, const ELEM *from, ELEM *to, EL
 static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hidden, int64_t inter, int64_t heads,
                              int64_t kv_heads, int64_t dim, float eps, float scale, ELEM *stream, const float *cos,
                              const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots,
-                             const int64_t *lens, int64_t max_len, int64_t batch, int num_threads) {
+                             const int64_t *lens, int64_t max_len, int64_t batch, const ELEM *head_norm,
+                             const ELEM *head, int64_t vocab, float *logits, int num_threads) {
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (num_threads < 1) num_threads = 1;
@@ -185,6 +191,15 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         const ELEM *last = buffers[updates % 2];
         for (int64_t i = share_lo; i < share_hi; ++i)
             stream[i] = FROM_F(TO_F(last[i]) + TO_F(delta[i]));
+        if (logits != NULL) {
+            /* the head: every thread takes the whole final stream into its own rows (no barrier),
+             * norms them as the model's final RMSNorm does, and computes its share of the head's
+             * tiles, as linear_rows does after a step */
+            for (int64_t i = 0; i < rows; ++i) res[i] = FROM_F(TO_F(last[i]) + TO_F(delta[i]));
+            for (int64_t b = 0; b < batch; ++b)
+                rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
+            NAME(project_rows)(head, hidden, vocab, 1, h, batch, NULL, logits);
+        }
     }
     free(scratch), free(parts), free(first);
     return 0;
