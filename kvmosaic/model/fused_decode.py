@@ -1,5 +1,6 @@
 """A decode step in one call: every layer of a plain Llama-family model over a batch of
-one-token sequences, in C (``kernels/decode_step.c``), instead of ~20 operator calls a layer.
+one-token sequences, in C (``kernels/decode_step.c``), instead of ~20 operator calls a layer, and
+when every row is sampled the final norm and the LM head too (:meth:`FusedDecode.step`).
 
 At decode on a CPU the weights stream from memory once per step and the arithmetic is small; what
 kept a step at ~60% of the memory bandwidth was the operators' dispatch and a thread-pool wake-up
@@ -137,16 +138,7 @@ class FusedDecode:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor | None:
         """The final hidden state ``[B, hidden]`` (before the final norm) of the decode tokens whose
         embeddings are ``x``; None where the C function declines (the caller runs the layers)."""
-        d = meta.decode
-        stream = x.contiguous().clone()
-        cos, signed_sin = (t.contiguous() for t in self.model.rotary.rows(positions))
-        slot_mapping, ctx_slots, lens = (t.to(torch.int64).contiguous() for t in (meta.slot_mapping, d.ctx_slots, d.lens))
-        rc = self._run(self._layer_pointers(kv), stream.shape[0], stream, cos, signed_sin, slot_mapping, ctx_slots, lens,
-                       max_len=ctx_slots.shape[1])
-        if rc != 0:
-            log.warning("fused decode step failed (code %d): this step runs layer by layer", rc)
-            return None
-        return stream
+        return self._call(x, positions, kv, meta, None)
 
     def step(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV, meta: AttentionMetadata,
              logits_index: torch.Tensor | None) -> torch.Tensor | None:
@@ -155,24 +147,28 @@ class FusedDecode:
         head is in decode tiles, the final norm and the head run in the same C call (no return to
         Python, no second parallel region): the same values as :meth:`__call__` then
         :meth:`logits`, bit for bit."""
-        if self.head is None or (logits_index is not None and logits_index.numel() != x.shape[0]):
-            hidden = self(x, positions, kv, meta)
-            if hidden is None:
-                return None
-            return self.logits(hidden if logits_index is None else hidden.index_select(0, logits_index))
-        # logits_index, when given, is every row in order: the runner asks for rows ascending
+        if self.head is not None and (logits_index is None or logits_index.numel() == x.shape[0]):
+            return self._call(x, positions, kv, meta, self.head)  # every row: the runner asks for rows ascending
+        hidden = self(x, positions, kv, meta)
+        if hidden is None:
+            return None
+        return self.logits(hidden if logits_index is None else hidden.index_select(0, logits_index))
+
+    def _call(self, x: torch.Tensor, positions: torch.Tensor, kv: PagedKV, meta: AttentionMetadata,
+              head: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor | None:
+        """The C step: the final hidden state, or with ``head`` (final norm weight, head tiles) the
+        float32 logits of every row; None where it declines."""
         d = meta.decode
         stream = x.contiguous().clone()
         cos, signed_sin = (t.contiguous() for t in self.model.rotary.rows(positions))
         slot_mapping, ctx_slots, lens = (t.to(torch.int64).contiguous() for t in (meta.slot_mapping, d.ctx_slots, d.lens))
-        norm, tiles = self.head
-        logits = torch.empty(stream.shape[0], tiles.shape[0], dtype=torch.float32)
+        logits = None if head is None else torch.empty(stream.shape[0], head[1].shape[0], dtype=torch.float32)
         rc = self._run(self._layer_pointers(kv), stream.shape[0], stream, cos, signed_sin, slot_mapping, ctx_slots, lens,
-                       max_len=ctx_slots.shape[1], norm=norm, head=tiles, vocab=tiles.shape[0], logits=logits)
+                       max_len=ctx_slots.shape[1], head=head, logits=logits)
         if rc != 0:
             log.warning("fused decode step failed (code %d): this step runs layer by layer", rc)
             return None
-        return logits
+        return stream if logits is None else logits
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits of final hidden states ``[B, hidden]``: the model's own head, which is
@@ -183,11 +179,12 @@ class FusedDecode:
             return self.model.head_proj.rows(self.model.norm(hidden).contiguous())
         return self.model.compute_logits(hidden)
 
-    def _run(self, pointers, batch: int, *tensors: torch.Tensor | None, max_len: int, norm: torch.Tensor | None = None,
-             head: torch.Tensor | None = None, vocab: int = 0, logits: torch.Tensor | None = None) -> int:
+    def _run(self, pointers, batch: int, *tensors: torch.Tensor | None, max_len: int,
+             head: tuple[torch.Tensor, torch.Tensor] | None = None, logits: torch.Tensor | None = None) -> int:
         layers, hidden, inter, heads, kv_heads, dim = self.shape
+        norm, tiles = head if head is not None else (None, None)
         return kernels.decode_step_library().decode_step(
             pointers, layers, hidden, inter, heads, kv_heads, dim, self.eps, self.scale,
             *(None if t is None else t.data_ptr() for t in tensors), max_len, batch,
-            *(None if t is None else t.data_ptr() for t in (norm, head)), vocab, None if logits is None else logits.data_ptr(),
-            int(self.dtype == torch.bfloat16), torch.get_num_threads())
+            *(None if t is None else t.data_ptr() for t in (norm, tiles)), 0 if tiles is None else tiles.shape[0],
+            None if logits is None else logits.data_ptr(), int(self.dtype == torch.bfloat16), torch.get_num_threads())
