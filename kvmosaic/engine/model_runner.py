@@ -58,6 +58,13 @@ class ModelRunner:
         return ids, pos, GroupedMetadata(metas, layout.group_of), logits_index, sampling
 
     def _prepare(self, batch: list[tuple[ScheduledSeq, list[int]]], cascade: bool):
+        if batch and not cascade and all(s.num_new_tokens == 1 and s.seq.num_computed_tokens + 1 == s.seq.num_tokens
+                                         for s, _ in batch):
+            return self._prepare_decodes(batch)
+        return self._prepare_rows(batch, cascade)
+
+    def _prepare_rows(self, batch: list[tuple[ScheduledSeq, list[int]]], cascade: bool):
+        """Any step: prefill spans and decodes, sequence by sequence."""
         ids, pos, slot_map, logits_index, sampling = [], [], [], [], []
         prefills: list[PrefillSpan] = []
         dec_index, dec_slots, dec_tables = [], [], []
@@ -84,6 +91,26 @@ class ModelRunner:
             decode = self._decode_batch(dec_index, dec_slots, dec_tables, cascade)
         meta = AttentionMetadata(torch.cat(slot_map), prefills, decode)
         return torch.tensor(ids, dtype=torch.long), torch.cat(pos), meta, torch.tensor(logits_index, dtype=torch.long), sampling
+
+    def _prepare_decodes(self, batch: list[tuple[ScheduledSeq, list[int]]]):
+        """:meth:`_prepare_rows` for a step of decodes only, every row its sequence's last token (so
+        every row is sampled), without cascade groups: the same tensors, built for the whole batch
+        at once instead of per sequence."""
+        bs = self.kv.block_size
+        lens = [s.seq.num_tokens for s, _ in batch]
+        longest = max(lens)
+        width = -(-longest // bs)
+        tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, t in batch], dtype=torch.long)
+        ctx = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(batch), -1)[:, :longest]
+        mask, lens_t = None, torch.tensor(lens)
+        if min(lens) != longest:
+            pad = torch.arange(longest)[None, :] >= lens_t[:, None]
+            ctx = ctx.masked_fill(pad, 0)  # padded with slot 0, as DecodeBatch says
+            mask = (~pad)[:, None, None, :]
+        last = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for (_, t), n in zip(batch, lens)])
+        meta = AttentionMetadata(last, [], DecodeBatch(torch.arange(len(batch)), ctx, mask, [], lens_t))
+        ids = torch.tensor([s.seq.all_token_ids[-1] for s, _ in batch])
+        return ids, torch.tensor([n - 1 for n in lens]), meta, torch.arange(len(batch)), [s for s, _ in batch]
 
     def _decode_batch(self, index: list[int], slots: list[torch.Tensor], tables: list[list[int]],
                       cascade: bool = True) -> DecodeBatch:
