@@ -64,7 +64,7 @@ def _head_in_tiles(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, 
 
     head, norm = model.head_proj, model.norm
     if type(head) is not decode_tiles.TiledLinear or head.tiles.dtype != dtype or type(norm) is not RMSNorm \
-            or norm.weight.dtype != dtype:
+            or norm.weight.dtype != dtype or norm.eps != model.config.rms_norm_eps:  # the step norms with the layers' eps
         return None
     return norm.weight.detach().contiguous(), head.tiles
 
