@@ -100,7 +100,7 @@ class ModelRunner:
         lens = [s.seq.num_tokens for s, _ in batch]
         longest = max(lens)
         width = -(-longest // bs)
-        tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for _, t in batch], dtype=torch.long)
+        tables = torch.tensor([(t + [0] * width)[:width] for _, t in batch], dtype=torch.long)  # block 0 past a short table
         ctx = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(batch), -1)[:, :longest]
         mask, lens_t = None, torch.tensor(lens)
         if min(lens) != longest:
