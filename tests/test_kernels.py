@@ -86,6 +86,31 @@ def test_rope_in_place_equals_torch_bit_for_bit(dtype, dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128, 48])
+def test_rope_store_rotates_and_writes_the_pool_as_rope_then_a_write(dtype, dim):
+    """``rope_store``: the fused QKV rows rotated in place (q and k heads) and each token's k and v
+    written at its slot: the same bits as torch's rotation and ``index_copy_``; other slots untouched.
+    Values down to the subnormal range, where the bfloat16 rounding takes its exact path."""
+    tokens, heads, kv_heads = 9, 9, 3
+    rotary = RotaryEmbedding(dim, 10000.0, 4096)
+    pos = torch.tensor([0, 1, 2, 3, 500, 501, 4000, 4094, 4095])
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim).to(dtype)
+    qkv[3] *= 1e-38  # subnormal products
+    k_pool, v_pool = (torch.randn(40, kv_heads, dim).to(dtype) for _ in range(2))
+    slots = torch.tensor([5, 17, 0, 39, 8, 9, 10, 30, 2])
+    cos, sin = rotary(pos, dtype)
+    want_qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), cos, sin)
+    want_k, want_v = k_pool.clone(), v_pool.clone()
+    want_k.index_copy_(0, slots, want_qk[:, heads:])
+    want_v.index_copy_(0, slots, qkv[:, (heads + kv_heads) * dim :].view(tokens, kv_heads, dim))
+    assert kernels.rope_store(qkv, heads, kv_heads, rotary.cos[pos], rotary.signed_sin[pos], slots, k_pool, v_pool)
+    assert torch.equal(qkv[:, : (heads + kv_heads) * dim].view(tokens, -1, dim), want_qk)
+    assert torch.equal(k_pool, want_k) and torch.equal(v_pool, want_v)
+    assert not kernels.rope_store(qkv, heads, kv_heads, rotary.cos[pos], rotary.signed_sin[pos], slots.int(), k_pool,
+                                  v_pool), "int32 slots: not the kernel's layout"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 40])
 def test_silu_mul_rounds_as_torch(dtype, rows):
     """``F.silu(gate) * up`` of the fused gate/up output: bfloat16 equal to torch but for rare ties

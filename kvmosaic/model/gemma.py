@@ -41,8 +41,7 @@ class GemmaDecoderLayer(DecoderLayer):
         """The layer on the hidden state ``x + residual``; returns the next hidden state whole
         (its norms sit after the adds, so there is no residual to carry apart)."""
         hidden = x if residual is None else x + residual
-        q, k, v = self.qkv(self.input_layernorm(hidden), rope)
-        kv.write(self.layer_idx, meta.slot_mapping, k, v)
+        q = self.qkv_stored(self.input_layernorm(hidden), rope, kv, meta.slot_mapping)
         return self.finish(hidden, self.attend(q, kv, meta)), None
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

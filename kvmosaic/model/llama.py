@@ -119,6 +119,16 @@ class RopeAt:
         return apply_rope(x, self.cos.to(x.dtype)[:, None, :], self.signed_sin.to(x.dtype)[:, None, :])
 
 
+    def apply_and_store_(self, qkv: torch.Tensor, heads: int, kv_heads: int, k_pool: torch.Tensor,
+                         v_pool: torch.Tensor, slots: torch.Tensor) -> bool:
+        """Rotate the q and k heads of the fused QKV rows ``qkv`` in place and write each token's
+        rotated k and its v to ``slots`` of the pools, in one pass (``kernels.rope_store``); False,
+        with nothing done, where that kernel does not serve (then :meth:`apply_` and the pool's
+        ``write``: the same values)."""
+        return (self.cos.shape[-1] * (heads + 2 * kv_heads) == qkv.shape[-1] and kernels.elementwise_available(qkv)
+                and kernels.rope_store(qkv, heads, kv_heads, self.cos, self.signed_sin, slots, k_pool, v_pool))
+
+
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """transformers' rotation of each (first half, second half) pair (blend/rope.py uses it)."""
     x1, x2 = x.chunk(2, dim=-1)
@@ -159,9 +169,24 @@ class DecoderLayer(nn.Module):
     def qkv(self, h: torch.Tensor, rope: RopeAt):
         """Normed input -> rotated q ``[T, H, D]``, rotated k and v ``[T, Hkv, D]`` (q and k are
         rotated together: one pass per layer, not two)."""
+        return self._rotated(self._projected(h), rope)
+
+    def qkv_stored(self, h: torch.Tensor, rope: RopeAt, kv: PagedKV, slots: torch.Tensor) -> torch.Tensor:
+        """:meth:`qkv` with k and v written to the pool at ``slots``; returns q. The rotation and
+        the write are one pass over the rows where the kernel serves (``RopeAt.apply_and_store_``)."""
+        qkv = self._projected(h)
+        if self.q_norm is None and rope.apply_and_store_(qkv, self.num_heads, self.num_kv_heads, kv.k[self.layer_idx],
+                                                         kv.v[self.layer_idx], slots):
+            return qkv[:, : self.num_heads * self.head_dim].view(-1, self.num_heads, self.head_dim)
+        q, k, v = self._rotated(qkv, rope)
+        kv.write(self.layer_idx, slots, k, v)
+        return q
+
+    def _projected(self, h: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(h)
-        if self.qkv_bias is not None:
-            qkv = qkv + self.qkv_bias
+        return qkv if self.qkv_bias is None else qkv + self.qkv_bias
+
+    def _rotated(self, qkv: torch.Tensor, rope: RopeAt):
         qk = qkv[:, : self.split_qk_v[0]].view(-1, self.num_heads + self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = qk.split((self.num_heads, self.num_kv_heads), dim=1)
@@ -193,8 +218,7 @@ class DecoderLayer(nn.Module):
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual)
-        q, k, v = self.qkv(h, rope)
-        kv.write(self.layer_idx, meta.slot_mapping, k, v)
+        q = self.qkv_stored(h, rope, kv, meta.slot_mapping)
         h = self.post_attention_layernorm(self.o_proj(self.attend(q, kv, meta).flatten(1)), residual)
         return self.mlp(h), residual
 

@@ -104,6 +104,7 @@ def _library() -> ctypes.CDLL | None:
         "rms_norm": (None, [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32]),
         "rope": (None, [ptr, i64, ptr, ptr, i64, i64, i64, i32, i32]),
         "silu_mul": (None, [ptr, i64, ptr, i64, i64, i32, i32]),
+        "rope_store": (None, [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32, i32]),
         "q4_1_matmul": (i32, [ptr] * 4 + [i32, i64, i64, i64, ptr, i32, i32]),
         "q4_1_dequantize": (i32, [ptr] * 3 + [i64, i64, ptr, i32, i32]),
         "q8_0_matmul": (i32, [ptr] * 3 + [i64] * 3 + [ptr, i32]),
@@ -218,6 +219,25 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
     _library().rope(x.data_ptr(), x.stride(0), cos.data_ptr(), signed_sin.data_ptr(), tokens, heads, dim,
                     int(x.dtype == torch.bfloat16), torch.get_num_threads())
     return x
+
+
+def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, signed_sin: torch.Tensor,
+               slots: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor) -> bool:
+    """:func:`rope_` on the q and k heads of the fused QKV projection's rows ``qkv`` ``[tokens, (heads
+    + 2 kv_heads) dim]`` (in place), and the rotated k and the v of token ``t`` written to row
+    ``slots[t]`` of the pools ``[num_slots, kv_heads, dim]``, in one pass. False (nothing done) where
+    the layout or dtypes are not the kernel's."""
+    dim = cos.shape[-1] if cos.dim() == 2 else 0
+    if not (_rows(qkv) and dim and qkv.shape[1] == (heads + 2 * kv_heads) * dim and dim <= 512
+            and cos.dtype == signed_sin.dtype == torch.float32 and cos.is_contiguous() and signed_sin.is_contiguous()
+            and k_pool.dtype == v_pool.dtype == qkv.dtype and k_pool.is_contiguous() and v_pool.is_contiguous()
+            and k_pool.shape[1:] == v_pool.shape[1:] == (kv_heads, dim) and slots.dtype == torch.int64
+            and slots.is_contiguous() and slots.numel() == qkv.shape[0] == cos.shape[0]):
+        return False
+    _library().rope_store(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), signed_sin.data_ptr(), qkv.shape[0], heads,
+                          kv_heads, dim, slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
+                          int(qkv.dtype == torch.bfloat16), torch.get_num_threads())
+    return True
 
 
 def silu_mul(x: torch.Tensor) -> torch.Tensor:

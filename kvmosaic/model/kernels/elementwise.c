@@ -52,6 +52,26 @@ void rope(void *x, int64_t x_stride, const float *cos, const float *signed_sin, 
     }
 }
 
+/* rope over the first heads + kv_heads heads of each token's row of qkv (the fused QKV projection's
+ * output: q heads, k heads, v heads, heads contiguous; row stride qkv_stride elements), in place as
+ * rope does, then the token's rotated k heads and its v heads copied to row slots[t] of k_pool and
+ * v_pool [num_slots, kv_heads, dim]: the rotation and the KV write in one pass over the rows. */
+void rope_store(void *qkv, int64_t qkv_stride, const float *cos, const float *signed_sin, int64_t tokens, int64_t heads,
+                int64_t kv_heads, int64_t dim, const int64_t *slots, void *k_pool, void *v_pool, int bf16,
+                int num_threads) {
+    const int64_t size = bf16 ? 2 : 4, kv_bytes = kv_heads * dim * size;
+#pragma omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
+    for (int64_t t = 0; t < tokens; ++t) {
+        char *row = (char *)qkv + t * qkv_stride * size, *k = row + heads * dim * size;
+        if (bf16)
+            rope_row(row, cos + t * dim, signed_sin + t * dim, heads + kv_heads, dim, 1);
+        else
+            rope_row(row, cos + t * dim, signed_sin + t * dim, heads + kv_heads, dim, 0);
+        memcpy((char *)k_pool + slots[t] * kv_bytes, k, (size_t)kv_bytes);
+        memcpy((char *)v_pool + slots[t] * kv_bytes, k + kv_bytes, (size_t)kv_bytes);
+    }
+}
+
 /* act[r] = silu(gate[r]) * up[r], gate and up the two halves of x[r] (x [rows, 2 * inter], row
  * stride x_stride in elements: the fused gate/up projection's output); act [rows, inter]. */
 void silu_mul(const void *x, int64_t x_stride, void *act, int64_t rows, int64_t inter, int bf16, int num_threads) {

@@ -36,12 +36,22 @@ INLINE __m512 load16(const void *p, const int bf16, int64_t i, __mmask16 mask) {
     return mask == 0xffff ? _mm512_loadu_ps((const float *)p + i) : _mm512_maskz_loadu_ps(mask, (const float *)p + i);
 }
 
+/* v rounded to bfloat16 as float_to_bf16 rounds (16 values): by VCVTNEPS2BF16 where the CPU has it
+ * (one instruction for float_to_bf16x16's seven: the same rounding and NaNs), except for a vector
+ * holding a subnormal, which that instruction would flush to zero. */
+INLINE __m256i bf16x16_of(__m512 v) {
+#if defined(__AVX512BF16__)
+    if (__builtin_expect(_mm512_fpclass_ps_mask(v, 0x20 /* subnormal */) == 0, 1)) return (__m256i)_mm512_cvtneps_pbh(v);
+#endif
+    return _mm512_cvtepi32_epi16(float_to_bf16x16(v));
+}
+
 /* Stores the lanes of mask at elements i.., rounded as float_to_bf16 rounds (subnormals kept). */
 INLINE void store16(void *p, const int bf16, int64_t i, __m512 v, __mmask16 mask) {
     if (bf16 && mask == 0xffff)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), _mm512_cvtepi32_epi16(float_to_bf16x16(v)));
+        _mm256_storeu_si256((__m256i *)((uint16_t *)p + i), bf16x16_of(v));
     else if (bf16)
-        _mm256_mask_storeu_epi16((uint16_t *)p + i, mask, _mm512_cvtepi32_epi16(float_to_bf16x16(v)));
+        _mm256_mask_storeu_epi16((uint16_t *)p + i, mask, bf16x16_of(v));
     else if (mask == 0xffff)
         _mm512_storeu_ps((float *)p + i, v);
     else
@@ -63,7 +73,7 @@ INLINE void store_exact16(void *p, const int bf16, int64_t i, __m512 v, __mmask1
 
 /* v rounded to the dtype's nearest value (float32: v). */
 INLINE __m512 round16(__m512 v, const int bf16) {
-    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(float_to_bf16x16(v), 16)) : v;
+    return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf16x16_of(v)), 16)) : v;
 }
 #endif
 
