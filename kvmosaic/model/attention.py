@@ -97,10 +97,10 @@ def paged_attention(
     if d is not None and not meta.prefills and d.token_index.numel() == q.shape[0]:
         # every token is a decode: the runner packs them in batch order (token_index = 0..B-1)
         return _decode_attention(q, k_cache, v_cache, d, scale)
-    if d is None and len(meta.prefills) == 1 and (meta.prefills[0].mask is None or meta.prefills[0].positions is not None):
-        span = meta.prefills[0]  # one prompt span, the whole step: the kernel's output is the step's
-        o = prefill.prefill_attention(q, k_cache, v_cache, span.ctx_slots, scale, span.positions)
-        if o is not None:
+    whole = meta.prefills[0] if d is None and len(meta.prefills) == 1 else None
+    if whole is not None and whole.start == 0 and whole.end == q.shape[0] and (whole.mask is None or whole.positions is not None):
+        o = prefill.prefill_attention(q, k_cache, v_cache, whole.ctx_slots, scale, whole.positions)
+        if o is not None:  # one prompt span, the whole step: the kernel's output is the step's
             return o
     out = torch.empty_like(q)
     for span in meta.prefills:

@@ -118,7 +118,6 @@ class RopeAt:
             return kernels.rope_(x, self.cos, self.signed_sin)
         return apply_rope(x, self.cos.to(x.dtype)[:, None, :], self.signed_sin.to(x.dtype)[:, None, :])
 
-
     def apply_and_store_(self, qkv: torch.Tensor, heads: int, kv_heads: int, k_pool: torch.Tensor,
                          v_pool: torch.Tensor, slots: torch.Tensor) -> bool:
         """Rotate the q and k heads of the fused QKV rows ``qkv`` in place and write each token's
