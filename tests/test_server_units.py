@@ -268,7 +268,9 @@ def test_free_ports_are_outside_the_range_the_kernel_hands_out():
     low, high = (int(x) for x in open(EPHEMERAL_RANGE).read().split())
     if low <= LOWEST_PORT:
         pytest.skip(f"this kernel hands out ports from {low}: no room below")
-    ports = {free_port() for _ in range(20)}
+    drawn = [free_port() for _ in range(200)]
+    ports = set(drawn)
+    assert len(ports) == len(drawn), "a port handed out twice: servers started together would collide"
     assert all(LOWEST_PORT <= p < low for p in ports), ports
     with socket.socket() as s:
         s.bind(("127.0.0.1", ports.pop()))  # and free

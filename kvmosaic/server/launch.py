@@ -19,13 +19,17 @@ import httpx
 
 EPHEMERAL_RANGE = "/proc/sys/net/ipv4/ip_local_port_range"
 LOWEST_PORT = 20000  # free_port picks from here up to the kernel's ephemeral range
+_HANDED_OUT: set[int] = set()  # the ports free_port gave this process
 
 
 def free_port() -> int:
     """A loopback port free now and, where the kernel says which ports it hands out to ``bind(0)``
     and outgoing connections, outside them: a port from ``bind(0)`` is given again to the next
     process that asks, and Ray starts dozens of processes that do while a replicas server starts
-    (a test run saw Serve's front find its chosen port taken and fail)."""
+    (a test run saw Serve's front find its chosen port taken and fail). Never one it gave this
+    process before: ports drawn for servers started together (and their events endpoints) are all
+    free when drawn and none is bound yet (a CI run saw one of three servers started at once find
+    its port taken)."""
     try:
         with open(EPHEMERAL_RANGE) as f:
             low = int(f.read().split()[0])
@@ -34,11 +38,14 @@ def free_port() -> int:
     rng = random.SystemRandom()
     for _ in range(64 if low > LOWEST_PORT else 0):
         port = rng.randrange(LOWEST_PORT, low)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
+            _HANDED_OUT.add(port)
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
