@@ -35,40 +35,28 @@ void rms_norm(const void *x, int64_t x_stride, void *residual, int64_t residual_
     }
 }
 
-/* In place on x [tokens, heads, dim] (token stride x_stride in elements, heads contiguous):
- * x = x * cos + roll(x, dim / 2) * signed_sin, with cos / signed_sin [tokens, dim] float32 (the
- * first half of signed_sin negated, model/llama.py's RotaryEmbedding), rounded to the dtype
- * first as torch's .to(dtype) does; dim <= MAX_HEAD_DIM (checked by the caller). */
-void rope(void *x, int64_t x_stride, const float *cos, const float *signed_sin, int64_t tokens, int64_t heads,
-          int64_t dim, int bf16, int num_threads) {
-    const int64_t size = bf16 ? 2 : 4;
-#pragma omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
-    for (int64_t t = 0; t < tokens; ++t) {
-        char *xt = (char *)x + t * x_stride * size;
-        if (bf16)
-            rope_row(xt, cos + t * dim, signed_sin + t * dim, heads, dim, 1);
-        else
-            rope_row(xt, cos + t * dim, signed_sin + t * dim, heads, dim, 0);
-    }
-}
-
-/* rope over the first heads + kv_heads heads of each token's row of qkv (the fused QKV projection's
- * output: q heads, k heads, v heads, heads contiguous; row stride qkv_stride elements), in place as
- * rope does, then the token's rotated k heads and its v heads copied to row slots[t] of k_pool and
- * v_pool [num_slots, kv_heads, dim]: the rotation and the KV write in one pass over the rows. */
-void rope_store(void *qkv, int64_t qkv_stride, const float *cos, const float *signed_sin, int64_t tokens, int64_t heads,
+/* In place on the first heads + kv_heads heads of each token's row of x (heads contiguous, dim each;
+ * row stride x_stride elements): x = x * cos + roll(x, dim / 2) * signed_sin, with cos / signed_sin
+ * [tokens, dim] float32 (the first half of signed_sin negated, model/llama.py's RotaryEmbedding),
+ * rounded to the dtype first as torch's .to(dtype) does; dim <= MAX_HEAD_DIM (checked by the
+ * caller). With slots non-NULL the rows are the fused QKV projection's (q heads, k heads, v heads):
+ * each token's rotated k heads and its v heads are then copied to row slots[t] of k_pool and v_pool
+ * [num_slots, kv_heads, dim], the rotation and the KV write in one pass over the rows. */
+void rope_store(void *x, int64_t x_stride, const float *cos, const float *signed_sin, int64_t tokens, int64_t heads,
                 int64_t kv_heads, int64_t dim, const int64_t *slots, void *k_pool, void *v_pool, int bf16,
                 int num_threads) {
     const int64_t size = bf16 ? 2 : 4, kv_bytes = kv_heads * dim * size;
 #pragma omp parallel for num_threads(num_threads) if (tokens >= PARALLEL_ROWS)
     for (int64_t t = 0; t < tokens; ++t) {
-        char *row = (char *)qkv + t * qkv_stride * size, *k = row + heads * dim * size;
+        char *row = (char *)x + t * x_stride * size, *k = row + heads * dim * size;
         if (bf16)
             rope_row(row, cos + t * dim, signed_sin + t * dim, heads + kv_heads, dim, 1);
         else
             rope_row(row, cos + t * dim, signed_sin + t * dim, heads + kv_heads, dim, 0);
-        memcpy((char *)k_pool + slots[t] * kv_bytes, k, (size_t)kv_bytes);
-        memcpy((char *)v_pool + slots[t] * kv_bytes, k + kv_bytes, (size_t)kv_bytes);
+        if (slots != NULL) {
+            memcpy((char *)k_pool + slots[t] * kv_bytes, k, (size_t)kv_bytes);
+            memcpy((char *)v_pool + slots[t] * kv_bytes, k + kv_bytes, (size_t)kv_bytes);
+        }
     }
 }
 
