@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kv.paged import PagedKVCache
@@ -95,22 +96,30 @@ class ModelRunner:
     def _prepare_decodes(self, batch: list[tuple[ScheduledSeq, list[int]]]):
         """:meth:`_prepare_rows` for a step of decodes only, every row its sequence's last token (so
         every row is sampled), without cascade groups: the same tensors, built for the whole batch
-        at once instead of per sequence."""
-        bs = self.kv.block_size
-        lens = [s.seq.num_tokens for s, _ in batch]
-        longest = max(lens)
+        at once in numpy (a few array operations instead of a dozen torch calls: this runs once a
+        token, right after the weights' stream has evicted the interpreter's caches)."""
+        bs, rows = self.kv.block_size, len(batch)
+        lens = np.fromiter((s.seq.num_tokens for s, _ in batch), np.int64, rows)
+        longest = int(lens.max())
         width = -(-longest // bs)
-        tables = torch.tensor([(t + [0] * width)[:width] for _, t in batch], dtype=torch.long)  # block 0 past a short table
-        ctx = (tables[:, :, None] * bs + torch.arange(bs)).reshape(len(batch), -1)[:, :longest]
-        mask, lens_t = None, torch.tensor(lens)
-        if min(lens) != longest:
-            pad = torch.arange(longest)[None, :] >= lens_t[:, None]
-            ctx = ctx.masked_fill(pad, 0)  # padded with slot 0, as DecodeBatch says
-            mask = (~pad)[:, None, None, :]
-        last = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for (_, t), n in zip(batch, lens)])
-        meta = AttentionMetadata(last, [], DecodeBatch(torch.arange(len(batch)), ctx, mask, [], lens_t))
-        ids = torch.tensor([s.seq.all_token_ids[-1] for s, _ in batch])
-        return ids, torch.tensor([n - 1 for n in lens]), meta, torch.arange(len(batch)), [s for s, _ in batch]
+        tables = np.zeros((rows, width), np.int64)  # block 0 past a short table
+        for i, (_, table) in enumerate(batch):
+            row = table[:width]
+            tables[i, : len(row)] = row
+        ctx = (tables[:, :, None] * bs + np.arange(bs)).reshape(rows, -1)[:, :longest]
+        mask = None
+        if int(lens.min()) != longest:
+            pad = np.arange(longest)[None, :] >= lens[:, None]
+            ctx[pad] = 0  # padded with slot 0, as DecodeBatch says
+            mask = torch.from_numpy(~pad)[:, None, None, :]
+        ctx = np.ascontiguousarray(ctx)
+        index = np.arange(rows)
+        last = ctx[index, lens - 1]
+        ids = np.fromiter((s.seq.all_token_ids[-1] for s, _ in batch), np.int64, rows)
+        index_t = torch.from_numpy(index)
+        meta = AttentionMetadata(torch.from_numpy(last), [],
+                                 DecodeBatch(index_t, torch.from_numpy(ctx), mask, [], torch.from_numpy(lens)))
+        return torch.from_numpy(ids), torch.from_numpy(lens - 1), meta, index_t, [s for s, _ in batch]
 
     def _decode_batch(self, index: list[int], slots: list[torch.Tensor], tables: list[list[int]],
                       cascade: bool = True) -> DecodeBatch:
