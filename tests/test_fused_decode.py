@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 
 import pytest
@@ -238,3 +239,27 @@ def test_follows_the_pool_it_is_given_when_another_pool_shares_its_first_address
     _around_fused_steps(llm.engine.model, monkeypatch, check_pools)
     llm.generate(_prompts(llm.tokenizer)[:2], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
     assert checked
+
+
+def test_phase_timers_build_gives_the_same_steps_and_counts_their_phases(monkeypatch, tmp_path):
+    """benchmarks/decode_phases.py's library (the same sources with KVMOSAIC_PHASE_TIMERS): the
+    same greedy tokens and logits bit for bit, and every phase's seconds counted; the default
+    library has no timers."""
+    import ctypes
+    import shutil
+
+    from kvmosaic.model import kernels
+
+    llm = _fused_llm()
+    prompts = _prompts(llm.tokenizer)
+    want = _greedy(llm, prompts, max_tokens=6)
+    monkeypatch.setenv("KVMOSAIC_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("KVMOSAIC_KERNEL_DEFINES", "KVMOSAIC_PHASE_TIMERS")
+    timed = kernels._declared(ctypes.CDLL(str(kernels._build(os.environ.get("CC") or shutil.which("cc")))))
+    assert not hasattr(kernels.decode_step_library(), "decode_phase_seconds")
+    seconds = (ctypes.c_double * 6).in_dll(timed, "decode_phase_seconds")
+    monkeypatch.setattr(kernels, "decode_step_library", lambda: timed)
+    got = _greedy(llm, prompts, max_tokens=6)
+    assert got[0] == want[0]
+    assert all(torch.equal(x, y) for a, b in zip(got[1], want[1]) for x, y in zip(a, b, strict=True))
+    assert all(seconds[i] > 0 for i in range(6))

@@ -68,18 +68,20 @@ def _cpu_flags() -> str:
 
 
 def _build(compiler: str) -> Path:
-    """The library for this source, compiler and CPU; built (atomically: parallel processes
-    race harmlessly) when not cached yet."""
+    """The library for this source, compiler, CPU and ``KVMOSAIC_KERNEL_DEFINES`` (extra ``-D``
+    names, for studies: e.g. ``KVMOSAIC_PHASE_TIMERS``, decode_step.c); built (atomically:
+    parallel processes race harmlessly) when not cached yet."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [path.read_text() for path in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*texts, *FLAGS, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    flags = FLAGS + [f"-D{name}" for name in os.environ.get("KVMOSAIC_KERNEL_DEFINES", "").split()]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kvmosaic-kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *FLAGS, *map(str, SOURCES), "-o", str(built)], check=True, capture_output=True,
+        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], check=True, capture_output=True,
                        text=True, timeout=300)
         os.replace(built, target)
     return target
@@ -99,6 +101,12 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("CPU kernel build failed, decode attention uses the torch path: %s", str(detail)[-500:])
         return None
+    lib = _declared(lib)
+    return lib if _agrees_with_torch(lib) else None
+
+
+def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """``lib`` with its functions' argument and result types set."""
     ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
     signatures = {
         "paged_decode_attention": (i32, [ptr] * 3 + [i32] * 2 + [ptr] * 2 + [i64] * 5 + [f32, ptr, ptr, i32]),
@@ -117,7 +125,7 @@ def _library() -> ctypes.CDLL | None:
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = restype, argtypes
-    return lib if _agrees_with_torch(lib) else None
+    return lib
 
 
 def _agrees_with_torch(lib: ctypes.CDLL) -> bool:

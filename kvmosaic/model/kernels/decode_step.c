@@ -44,6 +44,24 @@ typedef struct {
 #define ROWS 2
 #endif
 #define PER_LAYER 16 /* pointers per layer: see decode_step */
+/* Phase timers, compiled in only for benchmarks/decode_phases.py (-DKVMOSAIC_PHASE_TIMERS, through
+ * KVMOSAIC_KERNEL_DEFINES): the seconds thread 0 spent in each phase of the layers, summed over steps
+ * until the caller zeroes them. A phase ends at thread 0's next mark, so the barrier that closes it
+ * (and any wait for the other thread) counts in it. */
+#define DECODE_PHASES 6 /* norm + qkv, attention, merge + o, norm + gate_up, down, final norm + head */
+#ifdef KVMOSAIC_PHASE_TIMERS
+double decode_phase_seconds[DECODE_PHASES];
+#define PHASE_START double phase_t = omp_get_wtime()
+#define PHASE_MARK(i)                                                                                                  \
+    if (me == 0) {                                                                                                     \
+        const double phase_now = omp_get_wtime();                                                                      \
+        decode_phase_seconds[i] += phase_now - phase_t;                                                                \
+        phase_t = phase_now;                                                                                           \
+    }
+#else
+#define PHASE_START
+#define PHASE_MARK(i)
+#endif
 #define PF_TILES 4 /* prefetch the weight rows this many tiles ahead: ~2-4% over one (measured, AVX2 EPYC) */
 
 /* The weights of the step's projections are laid out in decode tiles (decode_tile_shape,

@@ -132,6 +132,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         ELEM *buffers[2] = {stream, other};
         int64_t updates = 0;
         const int64_t share_lo = rows * me / team, share_hi = rows * (me + 1) / team;
+        PHASE_START;
         for (int64_t layer = 0; layer < num_layers; ++layer) {
             void *const *p = layers + layer * PER_LAYER;
             const Weight w_qkv = {p[0], p[1], p[2]}, w_o = {p[3], p[4], p[5]}, w_gate_up = {p[6], p[7], p[8]},
@@ -147,6 +148,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                 ++updates;
             }
             NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum);
+            PHASE_MARK(0)
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < tasks; ++t) {
                 /* one chunk of one row, every kv head: the head's group of q heads rotated (a
@@ -171,6 +173,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                                       dim, g, group, scale, parts + part * group * dim, part_lse + part * group);
                 }
             }
+            PHASE_MARK(1)
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < batch; ++b) {
                 for (int64_t g = 0; g < kv_heads; ++g) {
@@ -182,11 +185,14 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                 }
             }
             NAME(project)(w_o, q_width, hidden, attn, batch, delta, xsum);
+            PHASE_MARK(2)
             NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm2, h, batch, hidden, eps,
                          share_lo, share_hi);
             ++updates;
             NAME(gate_up_silu)(w_gate_up, hidden, inter, h, batch, wide, xsum);
+            PHASE_MARK(3)
             NAME(project)(w_down, inter, hidden, wide, batch, delta, xsum);
+            PHASE_MARK(4)
         }
         const ELEM *last = buffers[updates % 2];
         for (int64_t i = share_lo; i < share_hi; ++i)
@@ -199,6 +205,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             for (int64_t b = 0; b < batch; ++b)
                 rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
             NAME(project_rows)(head, hidden, vocab, 1, h, batch, NULL, logits);
+            PHASE_MARK(5)
         }
     }
     free(scratch), free(parts), free(first);

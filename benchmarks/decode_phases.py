@@ -1,0 +1,91 @@
+"""Where the fused decode step's time goes, phase by phase, beside the machine's read bandwidth.
+
+Builds the kernels with their phase timers (``KVMOSAIC_KERNEL_DEFINES=KVMOSAIC_PHASE_TIMERS``,
+decode_step.c: thread 0's seconds in each phase of every layer, the closing barrier included),
+then for each of ``--requests`` single sequences of ``--tokens`` prompt tokens: the read
+bandwidth (``torch.sum`` over 512 MB, as ``kvmosaic bench roofline``), then ``--steps`` decode
+steps at batch 1 through the engine. Prints per request and phase the milliseconds a step, the
+bytes the phase reads (the weights; for attention the context's K and V) and the rate, as a share
+of the bandwidth read just before; and the step's wall time beside the C phases' sum (the rest is
+Python: scheduling, the step's inputs, sampling, the outputs).
+
+Run: ``python -m benchmarks.decode_phases`` from the repository root (``--dtype``, ``--tokens``,
+``--steps``, ``--requests``, ``--threads``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import random
+import statistics
+import time
+
+PHASES = ("norm + qkv", "attention", "merge + o", "norm + gate_up", "down", "final norm + head")
+
+
+def phase_bytes(cfg, vocab: int, element: int, context: float) -> list[float]:
+    """Bytes each phase reads in one step at batch 1 (its weights; attention: K and V)."""
+    layers, hidden, inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
+    q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    per_layer = [hidden * (q_width + 2 * kv_width), 2 * context * kv_width, q_width * hidden, 2 * inter * hidden,
+                 inter * hidden]
+    return [layers * n * element for n in per_layer] + [vocab * hidden * element]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
+    ap.add_argument("--tokens", type=int, default=700, help="prompt tokens of each sequence")
+    ap.add_argument("--steps", type=int, default=200, help="decode steps timed per sequence")
+    ap.add_argument("--requests", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    os.environ["KVMOSAIC_KERNEL_DEFINES"] = "KVMOSAIC_PHASE_TIMERS"  # before the first build
+
+    import torch
+
+    from kvmosaic.bench.machine import describe
+    from kvmosaic.bench.roofline import bandwidth_gbs
+    from kvmosaic.engine.llm import LLM
+    from kvmosaic.engine.sampling_params import SamplingParams
+    from kvmosaic.model import kernels
+
+    print(describe(), flush=True)
+    llm = LLM(dtype=args.dtype, num_threads=args.threads)
+    engine, model = llm.engine, llm.engine.model
+    lib = kernels.decode_step_library()
+    if lib is None or not hasattr(lib, "decode_phase_seconds"):
+        raise SystemExit("no kernel library with phase timers here (a C compiler and AVX2 or AVX-512 are needed)")
+    timers = (ctypes.c_double * len(PHASES)).in_dll(lib, "decode_phase_seconds")
+    element = torch.finfo(getattr(torch, args.dtype)).bits // 8
+    vocab = model.output_weight.shape[0]
+    rng = random.Random(0)
+    print(f"\n{args.dtype}, {args.threads} threads, batch 1, {args.tokens}-token prompts, {args.steps} steps each\n")
+    print("| request | read GB/s | step ms (wall) | C phases ms | " + " | ".join(PHASES) + " |")
+    print("|---|---|---|---|" + "---|" * len(PHASES))
+    for r in range(args.requests):
+        torch.set_num_threads(args.threads)
+        read, _ = bandwidth_gbs(512, 3)
+        ids = [rng.randrange(1000, vocab - 1000) for _ in range(args.tokens)]
+        engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=args.steps + 2, temperature=0.0,
+                                                                     ignore_eos=True), request_id=f"phases-{r}")
+        engine.step(), engine.step()  # the prefill and a first decode step, untimed
+        for i in range(len(PHASES)):
+            timers[i] = 0.0
+        walls = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - start)
+        steps = len(walls)
+        per_step = [timers[i] / steps for i in range(len(PHASES))]
+        nbytes = phase_bytes(model.config, vocab, element, args.tokens + 2 + steps / 2)
+        cells = [f"{1e3 * t:.3f} ({b / t / 1e9:.0f} GB/s, {b / t / 1e9 / read:.0%})" for t, b in zip(per_step, nbytes)]
+        print(f"| {r + 1} | {read:.1f} | {1e3 * statistics.median(walls):.2f} | {1e3 * sum(per_step):.2f} | "
+              + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
