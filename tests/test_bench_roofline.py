@@ -11,7 +11,7 @@ import torch
 
 from kvmosaic.bench.machine_share import shares, table
 from kvmosaic.bench.model_size import folder_size, model_size
-from kvmosaic.bench.roofline import Roofline, measure, model_shapes
+from kvmosaic.bench.roofline import Roofline, measure, model_shapes, read_bandwidth
 from kvmosaic.bench.serve_report import LevelResult
 
 # The shipped SmolLM2-135M (DESIGN: 30 layers, hidden 576, FFN 1536, 9 heads, 3 KV heads, head
@@ -117,3 +117,27 @@ def test_shares_are_each_peers_c1_no_reuse_against_the_same_roofline():
     md = table(list(got.values()), roof, "bfloat16")
     assert "At X% of the machine" in md and "| kvmosaic-hash | bfloat16 | 750 |" in md
     assert f"| {k.prefill_share:.0%} |" in md and "| vllm-cpu |" in md
+    assert "| 10.0 (run start) |" in md  # no readings around these levels: the run's first
+
+
+def test_the_decode_share_is_of_the_bandwidth_read_around_its_level():
+    """The readings taken right before and after a peer's c=1 level (a JSON round trip makes the
+    pair a list) are what its decode share divides by, not the run's first reading."""
+    s = model_size(None)
+    peak = {"float32": 100.0, "bfloat16": 400.0}
+    roof = Roofline(2, peak, peak, peak, 60.0, 50.0, 2048, 512, 512)
+    row = _row("kvmosaic-hash")
+    row.read_gbs_around = [30.0, 40.0]
+    (k,) = shares([row], roof, s, "bfloat16")
+    assert k.read_gbs == 35.0 and k.read_around == (30.0, 40.0)
+    assert k.decode_share == pytest.approx(k.decode_gbs / 35.0)
+    md = table([k], roof, "bfloat16")
+    assert f"| 30.0 / 40.0 | {k.decode_share:.0%} |" in md
+
+
+def test_one_read_bandwidth_reading_at_the_threads_asked_for():
+    import torch
+
+    before = torch.get_num_threads()
+    assert read_bandwidth(1, quick=True) > 0
+    assert torch.get_num_threads() == before

@@ -6,8 +6,11 @@ the same threads.
   TTFT p50, against the GEMM peak in the run's dtype. TTFT also holds the request's HTTP round
   trip and the first token's sampling, so the fraction is a lower bound on the prefill's own.
 - decode GB/s = weight bytes one step reads (every non-embedding weight and the LM head, in the
-  peer's weight format) / ITL p50, against the measured read bandwidth. KV reads are not counted
-  (at ~750 tokens of context a few percent of the weights in bfloat16).
+  peer's weight format) / ITL p50, against the read bandwidth measured right before and right after
+  that peer's level (their mean; the run's first reading where a level has none): on the VMs this
+  was measured on the reading moved between ~33 and ~60 GB/s from one minute to the next, so one
+  reading at the run's start made the share a matter of timing. KV reads are not counted (at ~750
+  tokens of context a few percent of the weights in bfloat16).
 
 Parameter counts and stored bytes come from the model's own files (:mod:`.model_size`).
 """
@@ -40,7 +43,9 @@ class MachineShare:
     prefill_share: float  # of the GEMM peak in the run's dtype
     itl_s: float | None
     decode_gbs: float | None
-    decode_share: float | None  # of the read bandwidth
+    decode_share: float | None  # of read_gbs
+    read_gbs: float = 0.0  # the read bandwidth the decode share is of
+    read_around: tuple[float, float] | None = None  # the readings before and after the level, where taken
 
 
 def weight_format(peer: str, dtype: str, size: ModelSize) -> tuple[str, float | None]:
@@ -64,8 +69,10 @@ def shares(rows: list[LevelResult], roofline: Roofline, size: ModelSize, dtype: 
         gflops = size.prefill_flops(new, cached) / r.ttft_p50 / 1e9
         label, per_weight = weight_format(r.peer, dtype, size)
         gbs = size.decode_weight_bytes(per_weight) / r.itl_p50 / 1e9 if r.itl_p50 else None
+        read = sum(r.read_gbs_around) / 2 if r.read_gbs_around else roofline.read_gbs
         out.append(MachineShare(r.peer, label, new, r.ttft_p50, gflops, gflops / roofline.gemm_gflops[dtype],
-                                r.itl_p50, gbs, gbs / roofline.read_gbs if gbs is not None else None))
+                                r.itl_p50, gbs, gbs / read if gbs is not None else None, read,
+                                tuple(r.read_gbs_around) if r.read_gbs_around else None))
     return out
 
 
@@ -74,11 +81,13 @@ def table(entries: list[MachineShare], roofline: Roofline, dtype: str) -> str:
     lines = [f"## At X% of the machine ({SHARE_WORKLOAD}, c=1)", "",
              *[f"- {line}" for line in roofline.lines()],
              f"- prefill share: of the {dtype} GEMM peak ({roofline.gemm_gflops[dtype]:,.0f} GFLOP/s); decode share: of "
-             f"the read bandwidth ({roofline.read_gbs:,.1f} GB/s); see kvmosaic/bench/machine_share.py for the counts", "",
+             "the read bandwidth measured right before and after the peer's level (their mean); see "
+             "kvmosaic/bench/machine_share.py for the counts", "",
              "| engine | weights | new prompt tok | TTFT p50 ms | prefill GFLOP/s | at % of GEMM peak | ITL p50 ms "
-             "| decode weight GB/s | at % of bandwidth |", "|---|---|---|---|---|---|---|---|---|"]
+             "| decode weight GB/s | read GB/s before / after | at % of bandwidth |", "|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         decode = ("–", "–") if e.decode_gbs is None else (f"{e.decode_gbs:,.1f}", f"{e.decode_share:.0%}")
+        read = f"{e.read_around[0]:,.1f} / {e.read_around[1]:,.1f}" if e.read_around else f"{e.read_gbs:,.1f} (run start)"
         lines.append(f"| {e.peer} | {e.weights} | {e.new_tokens:,.0f} | {format_ms(e.ttft_s)} | {e.prefill_gflops:,.0f} "
-                     f"| {e.prefill_share:.0%} | {format_ms(e.itl_s)} | {decode[0]} | {decode[1]} |")
+                     f"| {e.prefill_share:.0%} | {format_ms(e.itl_s)} | {decode[0]} | {read} | {decode[1]} |")
     return "\n".join(lines)

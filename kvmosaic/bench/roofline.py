@@ -111,6 +111,20 @@ def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:
     return read, copy
 
 
+def read_bandwidth(threads: int | None, quick: bool = False) -> float:
+    """One read-bandwidth reading (GB/s) as :func:`measure` takes it, at ``threads`` torch threads."""
+    import os
+
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or os.cpu_count() or 1)
+    try:
+        return bandwidth_gbs(*((128, 3) if quick else (512, 5)))[0]
+    finally:
+        torch.set_num_threads(before)
+
+
 def measure(threads: int | None, model: str | None = None, quick: bool = False) -> Roofline:
     """The roofline at ``threads`` torch threads (None: all cores); the model-shape GEMMs are left
     out (and said so) when ``model``'s files cannot be read."""

@@ -57,6 +57,9 @@ class LevelResult:
     usage_reported: bool = True  # False: some responses had no usage (cached tokens unknown)
     server_cpu_s: float | None = None  # user + system CPU seconds of the server's process tree during the level
     server_procs: int | None = None  # processes in that tree at the level's end
+    # the read bandwidth (GB/s) measured right before and right after the level, where measured (the
+    # decode share's level: machine_share.py); this VM's bandwidth moved ~2x between minutes
+    read_gbs_around: tuple[float, float] | None = None
 
 
 def summarize_level(peer: str, workload: str, mode: str, level: float, results: list[RequestResult],
