@@ -62,6 +62,44 @@ double decode_phase_seconds[DECODE_PHASES];
 #define PHASE_START
 #define PHASE_MARK(i)
 #endif
+/* What decode_step's attention tasks share (decode_step_layers.h's attention_task). */
+typedef struct {
+    const int64_t *first, *lens, *ctx_slots, *slot_mapping;
+    const float *cos, *signed_sin;
+    int64_t batch, max_len, kv_heads, group, dim, q_width, kv_width, qkv_width;
+    float scale;
+    float *parts, *part_lse;
+} AttentionStep;
+
+/* At batch 1 each thread's attention tasks are fixed in advance (static_share), and its QKV
+ * projection asks for their K and V rows into L2 a few rows per weight tile (kv_prefetch_tile):
+ * alone, attention waits on those reads at ~16 GB/s with the memory otherwise idle; beside the
+ * projection's stream they come in at its rate (the attention phase 1.15 -> 0.70 ms a step, the
+ * projection's ~0.3 ms longer, BENCHMARKS.md). Prefetches only: the results do not change. */
+typedef struct {
+    const char *k_pool, *v_pool;
+    const int64_t *slots; /* the keys' slots, in order */
+    int64_t count, next, per_tile, row_bytes;
+} KvPrefetch;
+
+INLINE void kv_prefetch_tile(KvPrefetch *kv) {
+    if (kv == NULL) return;
+    for (int64_t j = 0; j < kv->per_tile && kv->next < kv->count; ++j, ++kv->next) {
+        const int64_t row = kv->slots[kv->next] * kv->row_bytes;
+        for (int64_t offset = 0; offset < kv->row_bytes; offset += 64) {
+            __builtin_prefetch(kv->k_pool + row + offset, 0, 2);
+            __builtin_prefetch(kv->v_pool + row + offset, 0, 2);
+        }
+    }
+}
+
+/* [lo, hi) of n iterations for thread me of team: schedule(static)'s split, as libgomp makes it. */
+INLINE void static_share(int64_t n, int me, int team, int64_t *lo, int64_t *hi) {
+    const int64_t q = n / team, r = n % team;
+    *lo = q * me + (me < r ? me : r);
+    *hi = *lo + q + (me < r);
+}
+
 #define PF_TILES 4 /* prefetch the weight rows this many tiles ahead: ~2-4% over one (measured, AVX2 EPYC) */
 
 /* The weights of the step's projections are laid out in decode tiles (decode_tile_shape,
@@ -339,10 +377,10 @@ int linear_rows(const void *w, int64_t in, int64_t out, int tiled, const void *x
     {
 #if defined(__AVX512BF16__)
         if (bf16)
-            project_rows_bf16(w, in, out, tiled, x, batch, y, NULL);
+            project_rows_bf16(w, in, out, tiled, x, batch, y, NULL, NULL);
         else
 #endif
-            project_rows_f32(w, in, out, tiled, x, batch, y, NULL);
+            project_rows_f32(w, in, out, tiled, x, batch, y, NULL, NULL);
     }
     return 0;
 #else

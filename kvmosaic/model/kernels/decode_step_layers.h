@@ -17,12 +17,14 @@ static void NAME(dots)(const ELEM *w, int64_t in, int tiled, int prefetch, const
 
 /* y [batch, out] = x [batch, in] @ w [out, in]^T (rounded to the dtype; w in decode tiles when tiled);
  * with y NULL, the same values widened to float32 into yf (logits). Channel tiles shared out among
- * the team (called inside the parallel region; ends with the team's barrier). */
+ * the team (called inside the parallel region; ends with the team's barrier); kv: K/V rows to ask
+ * for as the tiles go (NULL: none). */
 static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled, const ELEM *x, int64_t batch,
-                               ELEM *y, float *yf) {
+                               ELEM *y, float *yf, KvPrefetch *kv) {
     const int prefetch = prefetch_next(tiled, batch);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < out / CHANNELS; ++t) {
+        kv_prefetch_tile(kv);
         for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
             const int nr = batch - r0 < ROWS ? (int)(batch - r0) : ROWS;
             float o[ROWS][CHANNELS];
@@ -37,8 +39,10 @@ static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled
     }
 }
 
-/* project_rows for a Weight: dense rows, or (float32) Q4_1 blocks; xsum: this thread's block-sum buffer. */
-static void NAME(project)(Weight w, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y, float *xsum) {
+/* project_rows for a Weight: dense rows, or (float32) Q4_1 blocks; xsum: this thread's block-sum buffer;
+ * kv as project_rows' (dense rows only). */
+static void NAME(project)(Weight w, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y, float *xsum,
+                          KvPrefetch *kv) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (w.d != NULL) {
         project_q4_1(w, in, out, x, batch, y, xsum);
@@ -46,7 +50,7 @@ static void NAME(project)(Weight w, int64_t in, int64_t out, const ELEM *x, int6
     }
 #endif
     (void)xsum;
-    NAME(project_rows)(w.w, in, out, STEP_TILED, x, batch, y, NULL);
+    NAME(project_rows)(w.w, in, out, STEP_TILED, x, batch, y, NULL, kv);
 }
 
 /* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
@@ -76,6 +80,34 @@ static void NAME(gate_up_silu)(Weight weight, int64_t in, int64_t inter, const E
                     act[(r0 + r) * inter + t * CHANNELS + c] = FROM_F(ROUND(silu(g)) * ROUND(up[r][c]));
                 }
         }
+    }
+}
+
+/* One attention task of decode_step: one chunk of one row, every kv head: the head's group of q
+ * heads rotated (a private copy, q_rot then q: the row's other chunks read them too), attending the
+ * chunk's keys; the chunk that holds the new token rotates its K and writes its K/V to the pool
+ * first. wide: the QKV projection's rows; the partial results go to a->parts. */
+static void NAME(attention_task)(const AttentionStep *a, int64_t t, const ELEM *wide_rows, ELEM *k_pool, ELEM *v_pool,
+                                 ELEM *q_rot, float *q) {
+    const int64_t dim = a->dim, group = a->group, kv_width = a->kv_width;
+    int64_t b, c;
+    paged_decode_task(a->first, a->batch, t, &b, &c);
+    const int64_t len = a->lens[b], begin = c * DECODE_CHUNK, n = len - begin < DECODE_CHUNK ? len - begin : DECODE_CHUNK;
+    const int64_t *slots = a->ctx_slots + b * a->max_len + begin;
+    paged_decode_prefetch(k_pool, v_pool, slots, n, kv_width * (int64_t)sizeof(ELEM));
+    for (int64_t g = 0; g < a->kv_heads; ++g) {
+        ELEM *row = (ELEM *)wide_rows + b * a->qkv_width, *k = row + a->q_width + g * dim, *v = k + kv_width;
+        memcpy(q_rot, row + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
+        rope_row(q_rot, a->cos + b * dim, a->signed_sin + b * dim, group, dim, IS_BF16);
+        for (int64_t i = 0; i < group * dim; ++i) q[i] = TO_F(q_rot[i]);
+        if (begin + n == len) {
+            rope_row(k, a->cos + b * dim, a->signed_sin + b * dim, 1, dim, IS_BF16);
+            memcpy(k_pool + a->slot_mapping[b] * kv_width + g * dim, k, (size_t)dim * sizeof(ELEM));
+            memcpy(v_pool + a->slot_mapping[b] * kv_width + g * dim, v, (size_t)dim * sizeof(ELEM));
+        }
+        const int64_t part = decode_part(a->first, a->kv_heads, b, g, c);
+        paged_decode_head(q, k_pool, v_pool, IS_BF16, IS_BF16, slots, n, a->kv_heads, dim, g, group, a->scale,
+                          a->parts + part * group * dim, a->part_lse + part * group);
     }
 }
 
@@ -118,6 +150,8 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
     }
     ELEM *delta = scratch, *other = delta + rows, *wide = other + rows, *attn = wide + batch * widest;
     ELEM *private_rows = attn + batch * q_width;
+    const AttentionStep step = {first, lens, ctx_slots, slot_mapping, cos, signed_sin, batch, max_len, kv_heads, group, dim,
+                                q_width, kv_width, qkv_width, scale, parts, part_lse};
 #pragma omp parallel num_threads(num_threads)
     {
         float q[MAX_GROUP * MAX_DIM], o[MAX_GROUP * MAX_DIM], lse[MAX_GROUP];
@@ -147,31 +181,24 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                              share_lo, share_hi);
                 ++updates;
             }
-            NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum);
-            PHASE_MARK(0)
+            if (batch == 1) {
+                /* this thread's tasks, fixed, their K/V asked for during the QKV projection (KvPrefetch) */
+                int64_t lo, hi, tiles_lo, tiles_hi;
+                static_share(tasks, me, team, &lo, &hi);
+                static_share(qkv_width / CHANNELS, me, team, &tiles_lo, &tiles_hi);
+                const int64_t first_key = lo * DECODE_CHUNK, end_key = hi * DECODE_CHUNK < lens[0] ? hi * DECODE_CHUNK : lens[0];
+                const int64_t keys = end_key > first_key ? end_key - first_key : 0, my_tiles = tiles_hi - tiles_lo;
+                KvPrefetch kv = {(const char *)k_pool, (const char *)v_pool, ctx_slots + first_key, keys, 0,
+                                 my_tiles > 0 ? (keys + my_tiles - 1) / my_tiles : keys, kv_width * (int64_t)sizeof(ELEM)};
+                NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum, &kv);
+                PHASE_MARK(0)
+                for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q);
+#pragma omp barrier
+            } else {
+                NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum, NULL);
+                PHASE_MARK(0)
 #pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < tasks; ++t) {
-                /* one chunk of one row, every kv head: the head's group of q heads rotated (a
-                 * private copy: the row's other chunks read them too), attending the chunk's keys;
-                 * the chunk that holds the new token rotates its K and writes its K/V to the pool first */
-                int64_t b, c;
-                paged_decode_task(first, batch, t, &b, &c);
-                const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
-                paged_decode_prefetch(k_pool, v_pool, ctx_slots + b * max_len + begin, n, kv_width * (int64_t)sizeof(ELEM));
-                for (int64_t g = 0; g < kv_heads; ++g) {
-                    ELEM *row = wide + b * qkv_width, *k = row + q_width + g * dim, *v = k + kv_width;
-                    memcpy(q_rot, row + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
-                    rope_row(q_rot, cos + b * dim, signed_sin + b * dim, group, dim, IS_BF16);
-                    for (int64_t i = 0; i < group * dim; ++i) q[i] = TO_F(q_rot[i]);
-                    if (begin + n == lens[b]) {
-                        rope_row(k, cos + b * dim, signed_sin + b * dim, 1, dim, IS_BF16);
-                        memcpy(k_pool + slot_mapping[b] * kv_width + g * dim, k, (size_t)dim * sizeof(ELEM));
-                        memcpy(v_pool + slot_mapping[b] * kv_width + g * dim, v, (size_t)dim * sizeof(ELEM));
-                    }
-                    const int64_t part = decode_part(first, kv_heads, b, g, c);
-                    paged_decode_head(q, k_pool, v_pool, IS_BF16, IS_BF16, ctx_slots + b * max_len + begin, n, kv_heads,
-                                      dim, g, group, scale, parts + part * group * dim, part_lse + part * group);
-                }
+                for (int64_t t = 0; t < tasks; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q);
             }
             PHASE_MARK(1)
 #pragma omp for collapse(2) schedule(static)
@@ -184,14 +211,14 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                     for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
                 }
             }
-            NAME(project)(w_o, q_width, hidden, attn, batch, delta, xsum);
+            NAME(project)(w_o, q_width, hidden, attn, batch, delta, xsum, NULL);
             PHASE_MARK(2)
             NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm2, h, batch, hidden, eps,
                          share_lo, share_hi);
             ++updates;
             NAME(gate_up_silu)(w_gate_up, hidden, inter, h, batch, wide, xsum);
             PHASE_MARK(3)
-            NAME(project)(w_down, inter, hidden, wide, batch, delta, xsum);
+            NAME(project)(w_down, inter, hidden, wide, batch, delta, xsum, NULL);
             PHASE_MARK(4)
         }
         const ELEM *last = buffers[updates % 2];
@@ -204,7 +231,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             for (int64_t i = 0; i < rows; ++i) res[i] = FROM_F(TO_F(last[i]) + TO_F(delta[i]));
             for (int64_t b = 0; b < batch; ++b)
                 rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
-            NAME(project_rows)(head, hidden, vocab, 1, h, batch, NULL, logits);
+            NAME(project_rows)(head, hidden, vocab, 1, h, batch, NULL, logits, NULL);
             PHASE_MARK(5)
         }
     }
