@@ -71,24 +71,44 @@ typedef struct {
     float *parts, *part_lse;
 } AttentionStep;
 
-/* At batch 1 each thread's attention tasks are fixed in advance (static_share), and its QKV
- * projection asks for their K and V rows into L2 a few rows per weight tile (kv_prefetch_tile):
- * alone, attention waits on those reads at ~16 GB/s with the memory otherwise idle; beside the
- * projection's stream they come in at its rate (the attention phase 1.15 -> 0.70 ms a step, the
- * projection's ~0.3 ms longer, BENCHMARKS.md). Prefetches only: the results do not change. */
+/* Each thread's attention tasks are fixed in advance (static_share: the tasks are equal chunks of
+ * keys but a row's last), and its QKV projection asks for their K and V rows into L2 a few rows per
+ * weight tile (kv_prefetch_tile), up to KV_PREFETCH_BYTES a layer (lines pushed out of L2 wait in
+ * the L3; past that they would be pushed out of it too before attention reads them). Alone,
+ * attention waited on those reads at ~16 GB/s with the memory otherwise idle; beside the
+ * projection's stream they come in at its rate (bfloat16 on the Zen 4 EPYC, libraries alternated:
+ * the step 1.5-3.5% faster at batch 1, 3-10% at 4, 4% at 8, 9% at 16, the same at 32;
+ * BENCHMARKS.md). Prefetches only: the results do not change. */
+#define KV_PREFETCH_BYTES ((int64_t)4 << 20)
 typedef struct {
     const char *k_pool, *v_pool;
-    const int64_t *slots; /* the keys' slots, in order */
-    int64_t count, next, per_tile, row_bytes;
+    const int64_t *first, *lens, *ctx_slots;
+    int64_t batch, max_len, row_bytes;
+    int64_t task, end_task;     /* the next task whose keys are asked for, and the end of this thread's */
+    int64_t slot0, key, keys;   /* that task's first slot (index into ctx_slots), next key, key count */
+    int64_t per_tile;           /* keys asked for per weight tile */
 } KvPrefetch;
+
+/* Points kv at task t's keys (t < end_task). */
+INLINE void kv_prefetch_task(KvPrefetch *kv, int64_t t) {
+    int64_t b, c;
+    paged_decode_task(kv->first, kv->batch, t, &b, &c);
+    const int64_t begin = c * DECODE_CHUNK;
+    kv->task = t, kv->key = 0, kv->slot0 = b * kv->max_len + begin;
+    kv->keys = kv->lens[b] - begin < DECODE_CHUNK ? kv->lens[b] - begin : DECODE_CHUNK;
+}
 
 INLINE void kv_prefetch_tile(KvPrefetch *kv) {
     if (kv == NULL) return;
-    for (int64_t j = 0; j < kv->per_tile && kv->next < kv->count; ++j, ++kv->next) {
-        const int64_t row = kv->slots[kv->next] * kv->row_bytes;
+    for (int64_t j = 0; j < kv->per_tile && kv->task < kv->end_task; ++j) {
+        const int64_t row = kv->ctx_slots[kv->slot0 + kv->key] * kv->row_bytes;
         for (int64_t offset = 0; offset < kv->row_bytes; offset += 64) {
             __builtin_prefetch(kv->k_pool + row + offset, 0, 2);
             __builtin_prefetch(kv->v_pool + row + offset, 0, 2);
+        }
+        if (++kv->key == kv->keys) {
+            if (kv->task + 1 < kv->end_task) kv_prefetch_task(kv, kv->task + 1);
+            else kv->task = kv->end_task;
         }
     }
 }

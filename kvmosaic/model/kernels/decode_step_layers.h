@@ -181,25 +181,23 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                              share_lo, share_hi);
                 ++updates;
             }
-            if (batch == 1) {
-                /* this thread's tasks, fixed, their K/V asked for during the QKV projection (KvPrefetch) */
-                int64_t lo, hi, tiles_lo, tiles_hi;
-                static_share(tasks, me, team, &lo, &hi);
-                static_share(qkv_width / CHANNELS, me, team, &tiles_lo, &tiles_hi);
-                const int64_t first_key = lo * DECODE_CHUNK, end_key = hi * DECODE_CHUNK < lens[0] ? hi * DECODE_CHUNK : lens[0];
-                const int64_t keys = end_key > first_key ? end_key - first_key : 0, my_tiles = tiles_hi - tiles_lo;
-                KvPrefetch kv = {(const char *)k_pool, (const char *)v_pool, ctx_slots + first_key, keys, 0,
-                                 my_tiles > 0 ? (keys + my_tiles - 1) / my_tiles : keys, kv_width * (int64_t)sizeof(ELEM)};
-                NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum, &kv);
-                PHASE_MARK(0)
-                for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q);
-#pragma omp barrier
-            } else {
-                NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum, NULL);
-                PHASE_MARK(0)
-#pragma omp for schedule(dynamic, 1)
-                for (int64_t t = 0; t < tasks; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q);
+            /* this thread's attention tasks, fixed, their K/V asked for during the QKV projection (KvPrefetch) */
+            int64_t lo, hi, tiles_lo, tiles_hi, keys = 0;
+            static_share(tasks, me, team, &lo, &hi);
+            static_share(qkv_width / CHANNELS, me, team, &tiles_lo, &tiles_hi);
+            KvPrefetch kv = {(const char *)k_pool, (const char *)v_pool, first, lens, ctx_slots, batch, max_len,
+                             kv_width * (int64_t)sizeof(ELEM), lo, hi, 0, 0, 0, 0};
+            for (int64_t t = hi - 1; t >= lo; --t) {
+                kv_prefetch_task(&kv, t);
+                keys += kv.keys;
             }
+            const int64_t most = KV_PREFETCH_BYTES / (2 * kv.row_bytes), my_tiles = tiles_hi - tiles_lo;
+            keys = keys < most ? keys : most;
+            kv.per_tile = my_tiles > 0 ? (keys + my_tiles - 1) / my_tiles : 0;
+            NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum, &kv);
+            PHASE_MARK(0)
+            for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q);
+#pragma omp barrier
             PHASE_MARK(1)
 #pragma omp for collapse(2) schedule(static)
             for (int64_t b = 0; b < batch; ++b) {
