@@ -86,9 +86,9 @@ static void NAME(gate_up_silu)(Weight weight, int64_t in, int64_t inter, const E
 /* One attention task of decode_step: one chunk of one row, every kv head: the head's group of q
  * heads rotated (a private copy, q_rot then q: the row's other chunks read them too), attending the
  * chunk's keys; the chunk that holds the new token rotates its K and writes its K/V to the pool
- * first. wide: the QKV projection's rows; the partial results go to a->parts. */
-static void NAME(attention_task)(const AttentionStep *a, int64_t t, const ELEM *wide_rows, ELEM *k_pool, ELEM *v_pool,
-                                 ELEM *q_rot, float *q) {
+ * first (rotating it in place in wide, the QKV projection's rows); the partial results go to a->parts. */
+static void NAME(attention_task)(const AttentionStep *a, int64_t t, ELEM *wide, ELEM *k_pool, ELEM *v_pool, ELEM *q_rot,
+                                 float *q) {
     const int64_t dim = a->dim, group = a->group, kv_width = a->kv_width;
     int64_t b, c;
     paged_decode_task(a->first, a->batch, t, &b, &c);
@@ -96,7 +96,7 @@ static void NAME(attention_task)(const AttentionStep *a, int64_t t, const ELEM *
     const int64_t *slots = a->ctx_slots + b * a->max_len + begin;
     paged_decode_prefetch(k_pool, v_pool, slots, n, kv_width * (int64_t)sizeof(ELEM));
     for (int64_t g = 0; g < a->kv_heads; ++g) {
-        ELEM *row = (ELEM *)wide_rows + b * a->qkv_width, *k = row + a->q_width + g * dim, *v = k + kv_width;
+        ELEM *row = wide + b * a->qkv_width, *k = row + a->q_width + g * dim, *v = k + kv_width;
         memcpy(q_rot, row + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
         rope_row(q_rot, a->cos + b * dim, a->signed_sin + b * dim, group, dim, IS_BF16);
         for (int64_t i = 0; i < group * dim; ++i) q[i] = TO_F(q_rot[i]);
