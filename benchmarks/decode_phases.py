@@ -3,7 +3,7 @@
 Builds the kernels with their phase timers (``KVMOSAIC_KERNEL_DEFINES=KVMOSAIC_PHASE_TIMERS``,
 decode_step.c: thread 0's seconds in each phase of every layer, the closing barrier included),
 then for each of ``--requests`` single sequences of ``--tokens`` prompt tokens: the read
-bandwidth (``torch.sum`` over 512 MB, as ``kvmosaic bench roofline``), then ``--steps`` decode
+bandwidth (``roofline.read_bandwidth``: ``torch.sum`` over 512 MB, as ``kvmosaic bench roofline``), then ``--steps`` decode
 steps at batch 1 through the engine. Prints per request and phase the milliseconds a step, the
 bytes the phase reads (the weights; for attention the context's K and V) and the rate, as a share
 of the bandwidth read just before; and the step's wall time beside the C phases' sum (the rest is
@@ -47,7 +47,7 @@ def main() -> None:
     import torch
 
     from kvmosaic.bench.machine import describe
-    from kvmosaic.bench.roofline import bandwidth_gbs
+    from kvmosaic.bench.roofline import read_bandwidth
     from kvmosaic.engine.llm import LLM
     from kvmosaic.engine.sampling_params import SamplingParams
     from kvmosaic.model import kernels
@@ -66,8 +66,7 @@ def main() -> None:
     print("| request | read GB/s | step ms (wall) | C phases ms | " + " | ".join(PHASES) + " |")
     print("|---|---|---|---|" + "---|" * len(PHASES))
     for r in range(args.requests):
-        torch.set_num_threads(args.threads)
-        read, _ = bandwidth_gbs(512, 3)
+        read = read_bandwidth(args.threads)
         ids = [rng.randrange(1000, vocab - 1000) for _ in range(args.tokens)]
         engine.add_request({"prompt_token_ids": ids}, SamplingParams(max_tokens=args.steps + 2, temperature=0.0,
                                                                      ignore_eos=True), request_id=f"phases-{r}")

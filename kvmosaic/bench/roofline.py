@@ -17,6 +17,7 @@ between calls; figures are the best observed (a busy machine lowers them, never 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
@@ -111,8 +112,14 @@ def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:
     return read, copy
 
 
-def read_bandwidth(threads: int | None, quick: bool = False) -> float:
-    """One read-bandwidth reading (GB/s) as :func:`measure` takes it, at ``threads`` torch threads."""
+def _sizes(quick: bool) -> tuple[int, int, int, int]:
+    """(square GEMM side, model-shape GEMM tokens, bandwidth buffer MB, repeats)."""
+    return (512, 128, 128, 3) if quick else (2048, 512, 512, 5)
+
+
+@contextlib.contextmanager
+def _torch_threads(threads: int | None):
+    """torch at ``threads`` threads (None: all cores) inside, as before after."""
     import os
 
     import torch
@@ -120,22 +127,25 @@ def read_bandwidth(threads: int | None, quick: bool = False) -> float:
     before = torch.get_num_threads()
     torch.set_num_threads(threads or os.cpu_count() or 1)
     try:
-        return bandwidth_gbs(*((128, 3) if quick else (512, 5)))[0]
+        yield
     finally:
         torch.set_num_threads(before)
+
+
+def read_bandwidth(threads: int | None, quick: bool = False) -> float:
+    """One read-bandwidth reading (GB/s) as :func:`measure` takes it, at ``threads`` torch threads."""
+    _, _, buffer_mb, repeats = _sizes(quick)
+    with _torch_threads(threads):
+        return bandwidth_gbs(buffer_mb, repeats)[0]
 
 
 def measure(threads: int | None, model: str | None = None, quick: bool = False) -> Roofline:
     """The roofline at ``threads`` torch threads (None: all cores); the model-shape GEMMs are left
     out (and said so) when ``model``'s files cannot be read."""
-    import os
-
     import torch
 
-    square, tokens, buffer_mb, repeats = (512, 128, 128, 3) if quick else (2048, 512, 512, 5)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads or os.cpu_count() or 1)
-    try:
+    square, tokens, buffer_mb, repeats = _sizes(quick)
+    with _torch_threads(threads):
         try:
             layer = [(tokens, k, n) for k, n in model_shapes(model)]
         except (OSError, ValueError, KeyError):
@@ -144,8 +154,6 @@ def measure(threads: int | None, model: str | None = None, quick: bool = False) 
         md = {d: gemm_gflops(d, layer, repeats) for d in DTYPES} if layer else {}
         read, copy = bandwidth_gbs(buffer_mb, repeats)
         used = torch.get_num_threads()
-    finally:
-        torch.set_num_threads(before)
     return Roofline(used, {d: max(sq[d], md.get(d, 0.0)) for d in DTYPES}, sq, md, read, copy, square, tokens, buffer_mb)
 
 

@@ -166,6 +166,20 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         ELEM *buffers[2] = {stream, other};
         int64_t updates = 0;
         const int64_t share_lo = rows * me / team, share_hi = rows * (me + 1) / team;
+        /* this thread's attention tasks [lo, hi), the same in every layer, and their K/V asked for
+         * during each layer's QKV projection (KvPrefetch: the keys of task lo on, per_tile a weight tile) */
+        int64_t lo, hi, tiles_lo, tiles_hi, keys = 0;
+        static_share(tasks, me, team, &lo, &hi);
+        static_share(qkv_width / CHANNELS, me, team, &tiles_lo, &tiles_hi);
+        KvPrefetch kv_first = {NULL, NULL, first, lens, ctx_slots, batch, max_len, kv_width * (int64_t)sizeof(ELEM), lo, hi,
+                               0, 0, 0, 0};
+        for (int64_t t = hi - 1; t >= lo; --t) {
+            kv_prefetch_task(&kv_first, t);
+            keys += kv_first.keys;
+        }
+        const int64_t most = KV_PREFETCH_BYTES / (2 * kv_first.row_bytes), my_tiles = tiles_hi - tiles_lo;
+        keys = keys < most ? keys : most;
+        kv_first.per_tile = my_tiles > 0 ? (keys + my_tiles - 1) / my_tiles : 0;
         PHASE_START;
         for (int64_t layer = 0; layer < num_layers; ++layer) {
             void *const *p = layers + layer * PER_LAYER;
@@ -181,19 +195,8 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                              share_lo, share_hi);
                 ++updates;
             }
-            /* this thread's attention tasks, fixed, their K/V asked for during the QKV projection (KvPrefetch) */
-            int64_t lo, hi, tiles_lo, tiles_hi, keys = 0;
-            static_share(tasks, me, team, &lo, &hi);
-            static_share(qkv_width / CHANNELS, me, team, &tiles_lo, &tiles_hi);
-            KvPrefetch kv = {(const char *)k_pool, (const char *)v_pool, first, lens, ctx_slots, batch, max_len,
-                             kv_width * (int64_t)sizeof(ELEM), lo, hi, 0, 0, 0, 0};
-            for (int64_t t = hi - 1; t >= lo; --t) {
-                kv_prefetch_task(&kv, t);
-                keys += kv.keys;
-            }
-            const int64_t most = KV_PREFETCH_BYTES / (2 * kv.row_bytes), my_tiles = tiles_hi - tiles_lo;
-            keys = keys < most ? keys : most;
-            kv.per_tile = my_tiles > 0 ? (keys + my_tiles - 1) / my_tiles : 0;
+            KvPrefetch kv = kv_first; /* this layer's pools, the same keys */
+            kv.k_pool = (const char *)k_pool, kv.v_pool = (const char *)v_pool;
             NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum, &kv);
             PHASE_MARK(0)
             for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q);
