@@ -190,3 +190,22 @@ def test_the_selection_defaults_to_each_modes_better_rule(llm):
         assert e.segment_reuse.options().selection == "random"
     finally:
         e.config.blend_selection, e.config.segment_reuse = None, "off"
+
+
+def test_placing_by_kernel_or_torch_ops_gives_the_same_blend(llm):
+    """The stored KV placed in one pass a segment (``kernels.rerotate_store``) or re-rotated and
+    written by torch ops (where the kernel does not serve): the same blended output, bit for bit."""
+    blender = llm.engine.segment_reuse.blender
+    assert blender.pools is not None, "the kernel serves this CPU pool"
+    llm.engine.segment_reuse.store.clear()
+    run(llm, DOCS, mode="blend")
+    order = [DOCS[1], DOCS[2], DOCS[0]]
+    by_kernel = run(llm, order, mode="blend")
+    pools, blender.pools = blender.pools, None
+    try:
+        by_torch = run(llm, order, mode="blend")
+    finally:
+        blender.pools = pools
+    assert by_kernel.num_segment_tokens > 0
+    assert by_kernel.token_ids == by_torch.token_ids
+    assert torch.equal(first_logprobs(by_kernel), first_logprobs(by_torch))

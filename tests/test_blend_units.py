@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvmosaic.blend.rope import rerotate
+from kvmosaic.blend.rope import rerotate, shift_tables
 from kvmosaic.blend.select import attention_weights, choose, deviation, within_mean
 from kvmosaic.cache.hashing import CacheNamespace
 from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_seed
@@ -47,6 +47,30 @@ def test_rerotation_uses_the_models_own_frequencies(rope):
     pos = torch.arange(100, 112)
     at = lambda p: RopeAt.at(table, p).apply_(k.clone())  # noqa: E731 - the model's own rotation
     torch.testing.assert_close(rerotate(at(pos), 900, table.inv_freq), at(pos + 900), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("partial", [1.0, 0.5, 0.25])  # 0.25: rot 16, the scalar loop
+def test_rerotate_store_kernel_equals_rerotate_and_write(dtype, partial):
+    """The one-pass placement of a stored segment (``kernels.rerotate_store``) writes the same bits
+    as :func:`rerotate` and the pool's write: K moved in float32 and rounded once, V as stored."""
+    from kvmosaic.model import kernels
+    if not kernels.elementwise_available(torch.zeros(1)):
+        pytest.skip("no C kernels here")
+    table = RotaryEmbedding(HEAD_DIM, Rope(THETA, partial=partial), 4096)
+    g = torch.Generator().manual_seed(0)
+    stored = torch.randn(4, 2, 30, 3, HEAD_DIM, generator=g).to(dtype)  # [layers, 2, tokens, heads, dim]
+    part = stored[:, :, 7:]  # a segment placed after a prefix hit: its first tokens stay
+    slots = torch.randperm(64, generator=g)[: part.shape[2]]
+    k_pools, v_pools = ([torch.zeros(64, 3, HEAD_DIM, dtype=dtype) for _ in range(4)] for _ in range(2))
+    pools = kernels.pool_rows(k_pools, v_pools)
+    for delta in (0, 37, -5, 3000):
+        assert kernels.rerotate_store(part, *shift_tables(delta, table.inv_freq), slots, pools)
+        moved = rerotate(part[:, 0], delta, table.inv_freq)
+        for layer in range(4):
+            assert torch.equal(k_pools[layer][slots], moved[layer])
+            assert torch.equal(v_pools[layer][slots], part[layer, 1])
+    assert not kernels.rerotate_store(part.transpose(3, 4), *shift_tables(1, table.inv_freq), slots, pools)
 
 
 def test_segment_keys_depend_on_tokens_and_namespace_only():

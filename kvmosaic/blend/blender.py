@@ -30,10 +30,11 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.paged import PagedKVCache
+from ..model import kernels
 from ..model.llama import LlamaForCausalLM
 from .forward import Picker, blend_forward
 from .prompt import SegmentSpan
-from .rope import rerotate
+from .rope import rerotate, shift_tables
 from .select import attention_weights, choose, within_mean
 from .store import SegmentKVStore
 
@@ -118,6 +119,7 @@ class Blender:
     def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, store: SegmentKVStore) -> None:
         self.model, self.kv, self.store = model, kv, store
         self.inv_freq = model.rotary.inv_freq.detach().cpu()  # the model's own RoPE (blend/rope.py)
+        self.pools = kernels.pool_rows(kv.k, kv.v)  # None: the pool is not the placing kernel's
 
     def prefill(
         self,
@@ -181,16 +183,21 @@ class Blender:
 
     def _place(self, found, slots, start: int, n: int) -> torch.Tensor:
         """Write stored KV (``found``: span, entry, tensor) at the segments' positions from
-        ``start`` on; returns ``reused``, the tokens so written."""
+        ``start`` on; returns ``reused``, the tokens so written. Each segment in one pass where
+        the kernel serves (``kernels.rerotate_store``), else re-rotated and written by torch ops:
+        the same values."""
         reused = torch.zeros(n, dtype=torch.bool)
+        deltas = [span.start - entry.origin for span, entry, _ in found]
+        cos, signed_sin = shift_tables(torch.tensor(deltas, dtype=torch.long), self.inv_freq)  # [segments, rot]
         ks, vs, dst = [], [], []
-        for span, entry, kvt in found:
+        for i, (span, _, kvt) in enumerate(found):
             lo = max(span.start, start)
-            part = kvt[:, :, lo - span.start :]
-            ks.append(rerotate(part[:, 0], span.start - entry.origin, self.inv_freq))
-            vs.append(part[:, 1])
-            dst.append(slots[lo : span.end])
+            part, to = kvt[:, :, lo - span.start :], slots[lo : span.end]
             reused[lo : span.end] = True
+            if self.pools is None or not kernels.rerotate_store(part, cos[i], signed_sin[i], to, self.pools):
+                ks.append(rerotate(part[:, 0], deltas[i], self.inv_freq))
+                vs.append(part[:, 1])
+                dst.append(to)
         if dst:
             k, v, s = torch.cat(ks, dim=1), torch.cat(vs, dim=1), torch.cat(dst).to(self.kv.device)
             for layer in range(len(self.kv.k)):

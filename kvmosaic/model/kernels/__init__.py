@@ -113,6 +113,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         "rms_norm": (None, [ptr, i64, ptr, i64, ptr, ptr, i64, i64, i64, f32, i32, i32]),
         "silu_mul": (None, [ptr, i64, ptr, i64, i64, i32, i32]),
         "rope_store": (None, [ptr, i64, ptr, ptr, i64, i64, i64, i64, ptr, ptr, ptr, i32, i32]),
+        "rerotate_store": (None, [ptr] + [i64] * 7 + [ptr] * 5 + [i32, i32]),
         "q4_1_matmul": (i32, [ptr] * 4 + [i32, i64, i64, i64, ptr, i32, i32]),
         "q4_1_dequantize": (i32, [ptr] * 3 + [i64, i64, ptr, i32, i32]),
         "q8_0_matmul": (i32, [ptr] * 3 + [i64] * 3 + [ptr, i32]),
@@ -359,4 +360,4 @@ def q8_0_matmul(w: Q8_0Weights, x: torch.Tensor) -> torch.Tensor:
 
 
 # The row kernels' wrappers (RMSNorm, RoPE and the KV write, SiLU·up): rows.py.
-from .rows import elementwise_available, rms_norm, rope_, rope_store, silu_mul  # noqa: E402, F401
+from .rows import PoolRows, elementwise_available, pool_rows, rerotate_store, rms_norm, rope_, rope_store, silu_mul  # noqa: E402, F401

@@ -60,6 +60,29 @@ void rope_store(void *x, int64_t x_stride, const float *cos, const float *signed
     }
 }
 
+/* A stored segment's KV placed at new positions: for each layer l < layers and token t < tokens, the K row
+ * at src + l * src_layer + t * row (row = kv_heads * dim elements) moved by one shift (rerotate_row with
+ * cos / signed_sin [rot]) into row slots[t] of the K pool at address k_pools[l], and the V row at
+ * src + l * src_layer + src_v + t * row copied to row slots[t] of v_pools[l] (pools [num_slots,
+ * kv_heads, dim], contiguous). The K and V of one token at one layer: one task. */
+void rerotate_store(const void *src, int64_t src_layer, int64_t src_v, int64_t layers, int64_t tokens,
+                    int64_t kv_heads, int64_t dim, int64_t rot, const float *cos, const float *signed_sin,
+                    const int64_t *slots, const int64_t *k_pools, const int64_t *v_pools, int bf16, int num_threads) {
+    const int64_t size = bf16 ? 2 : 4, row = kv_heads * dim;
+#pragma omp parallel for collapse(2) num_threads(num_threads) if (layers * tokens >= PARALLEL_ROWS)
+    for (int64_t l = 0; l < layers; ++l) {
+        for (int64_t t = 0; t < tokens; ++t) {
+            const char *k = (const char *)src + (l * src_layer + t * row) * size;
+            char *k_dst = (char *)k_pools[l] + slots[t] * row * size;
+            if (bf16)
+                rerotate_row(k, k_dst, cos, signed_sin, kv_heads, dim, rot, 1);
+            else
+                rerotate_row(k, k_dst, cos, signed_sin, kv_heads, dim, rot, 0);
+            memcpy((char *)v_pools[l] + slots[t] * row * size, k + src_v * size, (size_t)(row * size));
+        }
+    }
+}
+
 /* act[r] = silu(gate[r]) * up[r], gate and up the two halves of x[r] (x [rows, 2 * inter], row
  * stride x_stride in elements: the fused gate/up projection's output); act [rows, inter]. */
 void silu_mul(const void *x, int64_t x_stride, void *act, int64_t rows, int64_t inter, int bf16, int num_threads) {

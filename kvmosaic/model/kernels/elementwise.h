@@ -188,4 +188,39 @@ INLINE void rope_row(void *x, const float *cos, const float *signed_sin, int64_t
         for (int64_t d = 0; d < dim; ++d) store(x, bf16, h * dim + d, out[d]);
     }
 }
+
+/* A stored K moved to other positions (blend/rope.py's rerotate, bit for bit): each head's first rot
+ * dims of src become src * cos + roll(src, rot / 2) * signed_sin ([rot] float32: one shift's tables),
+ * computed in float32 — each product and the sum rounded to float32, as torch's float32 ops — and
+ * rounded once to the dtype in dst; the dims past rot are copied. */
+INLINE void rerotate_row(const void *src, void *dst, const float *cos, const float *signed_sin, int64_t heads,
+                         int64_t dim, int64_t rot, const int bf16) {
+    const int64_t half = rot / 2;
+#if defined(ELEMENTWISE_X16)
+    if (half % 16 == 0 && dim % 16 == 0) {
+        const int64_t n = rot / 16, h = half / 16;
+        for (int64_t head = 0; head < heads; ++head) {
+            __m512 v[MAX_HEAD_DIM / 16];
+            for (int64_t k = 0; k < n; ++k) v[k] = load16(src, bf16, head * dim + 16 * k, 0xffff);
+            for (int64_t k = 0; k < n; ++k) {
+                const __m512 a = _mm512_mul_ps(v[k], _mm512_loadu_ps(cos + 16 * k));
+                const __m512 b = _mm512_mul_ps(v[k < h ? k + h : k - h], _mm512_loadu_ps(signed_sin + 16 * k));
+                store16(dst, bf16, head * dim + 16 * k, _mm512_add_ps(a, b), 0xffff);
+            }
+            for (int64_t d = rot; d < dim; d += 16)
+                store_exact16(dst, bf16, head * dim + d, load16(src, bf16, head * dim + d, 0xffff), 0xffff);
+        }
+        return;
+    }
+#endif
+    for (int64_t head = 0; head < heads; ++head) {
+        const int64_t o = head * dim;
+        for (int64_t d = 0; d < rot; ++d) {
+            const float a = load(src, bf16, o + d) * cos[d];
+            const float b = load(src, bf16, o + (d < half ? d + half : d - half)) * signed_sin[d];
+            store(dst, bf16, o + d, a + b);
+        }
+        for (int64_t d = rot; d < dim; ++d) store(dst, bf16, o + d, load(src, bf16, o + d));
+    }
+}
 #endif

@@ -3,6 +3,8 @@ one pass each over a step's rows, rounded where torch rounds; see this package's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from . import _library
@@ -62,6 +64,51 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, 
     _library().rope_store(qkv.data_ptr(), qkv.stride(0), cos.data_ptr(), signed_sin.data_ptr(), qkv.shape[0], heads,
                           kv_heads, dim, slots.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(),
                           int(qkv.dtype == torch.bfloat16), torch.get_num_threads())
+    return True
+
+
+@dataclass(frozen=True)
+class PoolRows:
+    """The addresses of every layer's K and V pool (``[num_slots, kv_heads, dim]``, contiguous, on
+    the CPU), for :func:`rerotate_store`; from :func:`pool_rows`."""
+    k: torch.Tensor  # [layers] int64
+    v: torch.Tensor
+    dtype: torch.dtype
+    row: tuple[int, int]  # (kv_heads, dim)
+
+
+def pool_rows(k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> PoolRows | None:
+    """``k_pools`` / ``v_pools`` as :func:`rerotate_store` takes them, or None where it cannot."""
+    pools = (*k_pools, *v_pools)
+    first = pools[0]
+    if not (first.dtype in (torch.float32, torch.bfloat16) and first.dim() == 3 and first.shape[2] <= 512
+            and all(p.dtype == first.dtype and p.device.type == "cpu" and p.is_contiguous()
+                    and p.shape[1:] == first.shape[1:] for p in pools)
+            and _library() is not None):
+        return None
+    return PoolRows(torch.tensor([p.data_ptr() for p in k_pools], dtype=torch.int64),
+                    torch.tensor([p.data_ptr() for p in v_pools], dtype=torch.int64), first.dtype,
+                    tuple(first.shape[1:]))
+
+
+def rerotate_store(kv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
+                   pools: PoolRows) -> bool:
+    """A stored segment's KV ``kv`` ``[layers, 2, tokens, kv_heads, dim]`` (each layer's K and V rows
+    contiguous, any layer stride) written to row ``slots[t]`` of each layer's pools, K moved by one
+    shift: ``k * cos + roll(k, rot / 2) * signed_sin`` over its first ``rot`` dims (float32 tables
+    ``[rot]``) in float32, rounded once (``blend/rope.py``'s :func:`~kvmosaic.blend.rope.rerotate`,
+    bit for bit). False (nothing done) where the layout or dtypes are not the kernel's."""
+    layers, two, tokens, kv_heads, dim = kv.shape
+    rot, row = cos.numel(), kv_heads * dim
+    if not (two == 2 and kv.dtype == pools.dtype and kv.device.type == "cpu" and (kv_heads, dim) == pools.row
+            and layers == pools.k.numel() and kv.stride(4) == 1 and kv.stride(3) == dim and kv.stride(2) == row
+            and kv.stride(1) % row == 0 and 0 < rot <= dim and rot % 2 == 0 and signed_sin.numel() == rot
+            and cos.dtype == signed_sin.dtype == torch.float32 and cos.is_contiguous() and signed_sin.is_contiguous()
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens):
+        return False
+    _library().rerotate_store(kv.data_ptr(), kv.stride(0), kv.stride(1), layers, tokens, kv_heads, dim, rot,
+                              cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), pools.k.data_ptr(),
+                              pools.v.data_ptr(), int(kv.dtype == torch.bfloat16), torch.get_num_threads())
     return True
 
 
