@@ -71,6 +71,7 @@ def test_rerotate_store_kernel_equals_rerotate_and_write(dtype, partial):
             assert torch.equal(k_pools[layer][slots], moved[layer])
             assert torch.equal(v_pools[layer][slots], part[layer, 1])
     assert not kernels.rerotate_store(part.transpose(3, 4), *shift_tables(1, table.inv_freq), slots, pools)
+    assert not kernels.rerotate_store(part, *shift_tables(1, table.inv_freq), slots + 64, pools)  # past the pool
 
 
 def test_segment_keys_depend_on_tokens_and_namespace_only():

@@ -70,11 +70,13 @@ def rope_store(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, 
 @dataclass(frozen=True)
 class PoolRows:
     """The addresses of every layer's K and V pool (``[num_slots, kv_heads, dim]``, contiguous, on
-    the CPU), for :func:`rerotate_store`; from :func:`pool_rows`."""
+    the CPU), for :func:`rerotate_store`; from :func:`pool_rows`. Valid while those pools live
+    (a ``PagedKVCache``'s never move)."""
     k: torch.Tensor  # [layers] int64
     v: torch.Tensor
     dtype: torch.dtype
     row: tuple[int, int]  # (kv_heads, dim)
+    num_slots: int  # the smallest pool's
 
 
 def pool_rows(k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> PoolRows | None:
@@ -88,7 +90,7 @@ def pool_rows(k_pools: list[torch.Tensor], v_pools: list[torch.Tensor]) -> PoolR
         return None
     return PoolRows(torch.tensor([p.data_ptr() for p in k_pools], dtype=torch.int64),
                     torch.tensor([p.data_ptr() for p in v_pools], dtype=torch.int64), first.dtype,
-                    tuple(first.shape[1:]))
+                    tuple(first.shape[1:]), min(p.shape[0] for p in pools))
 
 
 def rerotate_store(kv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, slots: torch.Tensor,
@@ -104,7 +106,8 @@ def rerotate_store(kv: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
             and layers == pools.k.numel() and kv.stride(4) == 1 and kv.stride(3) == dim and kv.stride(2) == row
             and kv.stride(1) % row == 0 and 0 < rot <= dim and rot % 2 == 0 and signed_sin.numel() == rot
             and cos.dtype == signed_sin.dtype == torch.float32 and cos.is_contiguous() and signed_sin.is_contiguous()
-            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens):
+            and slots.dtype == torch.int64 and slots.is_contiguous() and slots.numel() == tokens
+            and (not tokens or 0 <= int(slots.min()) <= int(slots.max()) < pools.num_slots)):
         return False
     _library().rerotate_store(kv.data_ptr(), kv.stride(0), kv.stride(1), layers, tokens, kv_heads, dim, rot,
                               cos.data_ptr(), signed_sin.data_ptr(), slots.data_ptr(), pools.k.data_ptr(),
