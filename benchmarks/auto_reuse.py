@@ -2,9 +2,11 @@
 
 Workloads (plain prompts, no ``segments`` field, no separator):
 
-* ``rag-text``: a system line, 5 of 20 documents in random order (blank lines between them) and a
-  question whose answer is a fact in one of them; ``rag-chat``: the same in chat form (system
-  and user messages through the model's template);
+* ``rag-text``: a system line, 5 of 20 documents (~75 tokens each) in random order (blank lines
+  between them) and a question whose answer is a fact in one of them; ``rag-chat``: the same in
+  chat form (system and user messages through the model's template); ``rag-long-text`` /
+  ``rag-long-chat`` (not in the default set): the same with the five whole documents (~280 tokens
+  each, the 20 short ones are their quarters), each seen once before in another order;
 * ``sys-timestamp``: a ~2,000-token system prompt whose first line is a timestamp that changes
   on every request, then a short question;
 * ``chat-edit``: multi-turn chats (3 user turns, 2 answers) resent with the name in the first
@@ -80,6 +82,18 @@ def rag_requests(n: int, rng: random.Random, tok, chat: bool) -> list[Req]:
         picks = [must] + rng.sample([j for j in range(len(POOL)) if j != must], 4)
         rng.shuffle(picks)
         docs = [POOL[j] for j in picks]
+        prompt, warm = rag_prompt(docs, question, tok, chat)
+        out.append(Req(prompt, warm, answer, docs))
+    return out
+
+
+def rag_long_requests(n: int, rng: random.Random, tok, chat: bool) -> list[Req]:
+    """The five whole documents (~280 tokens each, the length a retriever's chunks usually have) in
+    random order, then one of the questions."""
+    out = []
+    for i in range(n):
+        question, answer = QUESTIONS[i % len(QUESTIONS)]
+        docs = rng.sample(DOCS, len(DOCS))
         prompt, warm = rag_prompt(docs, question, tok, chat)
         out.append(Req(prompt, warm, answer, docs))
     return out
@@ -283,7 +297,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="no-reuse: alternated rounds")
     ap.add_argument("--no-reuse-only", action="store_true", help="only the no-reuse throughput")
     ap.add_argument("--workloads", default="rag-text,rag-chat,sys-timestamp,chat-edit",
-                    help="comma-separated: rag-text, rag-chat, sys-timestamp, chat-edit")
+                    help="comma-separated: rag-text, rag-chat, rag-long-text, rag-long-chat, sys-timestamp, "
+                         "chat-edit")
     args = ap.parse_args()
     print(describe(), flush=True)
     rng = random.Random(args.seed)
@@ -307,6 +322,11 @@ def main() -> None:
         for k in range(0, len(POOL), 5):  # earlier traffic: each document seen once, in some context
             h.run(True, rag_prompt([POOL[j] for j in order[k : k + 5]], "Hello?", h.tok, chat)[0], None, 1)
         results[name] = measure(h, rag_requests(args.requests, rng, h.tok, chat), FORCED, name)
+    for name, chat in (("rag-long-text", False), ("rag-long-chat", True)):
+        if name not in todo:
+            continue
+        h.run(True, rag_prompt(rng.sample(DOCS, len(DOCS)), "Hello?", h.tok, chat)[0], None, 1)  # each seen once
+        results[name] = measure(h, rag_long_requests(args.requests, rng, h.tok, chat), FORCED, name)
     if "sys-timestamp" in todo:
         first, reqs = sys_requests(args.requests, rng)
         h.run(True, first, None, 1)
