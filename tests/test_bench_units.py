@@ -103,6 +103,24 @@ def test_rag_reorder_quality_workload():
     assert {"full", "prefix", "shift", "random", "threshold"} <= {c.kind for c in bq.configs()}
 
 
+def test_auto_reuse_rag_workloads():
+    """Short and long RAG prompts: five documents in random order, the answer stated in one (in two
+    quarters of a long one, at times), plain text (no markup) after the prefix the cache holds."""
+    import random
+
+    from benchmarks import auto_reuse as ar
+
+    for make, pool, size in ((ar.rag_requests, ar.POOL, 20), (ar.rag_long_requests, ar.DOCS, 5)):
+        reqs = make(12, random.Random(0), None, False)  # text form: no tokenizer
+        assert len(pool) == size
+        for r in reqs:
+            assert len(r.docs) == 5 == len(set(r.docs)) and set(r.docs) <= set(pool)
+            assert any(r.answer in d for d in r.docs)
+            assert r.prompt.startswith(r.warm) and all(d in r.prompt for d in r.docs)
+        assert len({tuple(r.docs) for r in reqs}) > 8  # the orders differ
+    assert max(len(d.split()) for d in ar.POOL) < 100 < 200 < min(len(d.split()) for d in ar.DOCS)
+
+
 def test_kl_of_log_probabilities():
     from benchmarks.blend_quality import kl
 
