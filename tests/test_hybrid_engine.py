@@ -117,3 +117,24 @@ def test_forked_samples_share_and_copy_every_group(model):
         assert lone.token_ids == o.token_ids, j
     engine.pool.check_invariants()
     assert engine.cache.size_info().in_use == 0
+
+
+def test_segment_reuse_set_after_start_stays_off_for_windowed_models(model):
+    """EngineConfig refuses segment reuse for a windowed family; a mode set on the running
+    engine's config later (as benchmarks switch it between requests) is ignored too: the
+    blend pass has no windows, so blending here would attend past them."""
+    path, _ = model
+    rng = random.Random(5)
+    doc = [rng.randrange(256) for _ in range(96)]
+    first, moved = [1, 2, 3] + doc + [7, 8], [9, 10, 11, 12] + doc + [13, 14]
+    params = SamplingParams(max_tokens=4, temperature=0)
+    plain = make_llm(model=path, block_size=BLOCK, num_kv_blocks=160, enable_prefix_caching=False)
+    want = [o.token_ids for o in plain.generate([first, moved], params)]
+    llm = make_llm(model=path, block_size=BLOCK, num_kv_blocks=160, enable_prefix_caching=False)
+    for mode in ("auto", "blend"):
+        llm.engine.config.segment_reuse = mode
+        assert not llm.engine.segment_reuse.enabled and not llm.engine.segment_reuse.auto_on
+        outs = llm.generate([first], params) + llm.generate([moved], params)
+        assert [o.token_ids for o in outs] == want
+        assert all(not o.auto_reuse for o in outs)
+    assert llm.engine.segment_reuse.auto_stats is None

@@ -43,6 +43,9 @@ class SegmentReuse:
             raise ValueError(f"blend_check_layer must be in [1, {model.config.num_layers}), "
                              f"got {config.blend_check_layer}")
         self.config = config  # the EngineConfig; read on every use, so changes apply at once
+        # EngineConfig refuses a mode other than off for these families; a mode set on the config
+        # later (a harness flips it between requests) must not bypass that
+        self.supported = model.config.traits.segment_reuse_ok
         self.kv = kv
         self.store = SegmentKVStore(config.segment_cache_memory, segment_seed(model_fingerprint, config.dtype),
                                     tiers, model_fingerprint, kv)
@@ -63,11 +66,11 @@ class SegmentReuse:
 
     @property
     def enabled(self) -> bool:
-        return self.config.segment_reuse != "off"
+        return self.supported and self.config.segment_reuse != "off"
 
     @property
     def auto_on(self) -> bool:
-        return self.config.segment_reuse == "auto" and self._tokenizer is not None
+        return self.supported and self.config.segment_reuse == "auto" and self._tokenizer is not None
 
     def options(self) -> BlendOptions:
         c = self.config
