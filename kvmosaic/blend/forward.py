@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kv.paged import PagedKVCache
-from ..model.attention import AttentionMetadata, PrefillSpan, paged_attention, prefill_mask
+from ..model.attention import AttentionMetadata, PrefillSpan, paged_attention
 from ..model.llama import LlamaForCausalLM, RopeAt
 from .select import deviation
 
@@ -51,9 +51,7 @@ def _meta(slots: torch.Tensor, q_pos: torch.Tensor, ctx_slots: torch.Tensor) -> 
     n = ctx_slots.numel()
     is_tail = q_pos.numel() > 0 and int(q_pos[0]) == n - q_pos.numel()  # the context's last tokens
     if is_tail:
-        mask = prefill_mask(q_pos.numel(), n)
-        mask = None if mask is None else mask.to(q_pos.device)
-        return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, mask)])
+        return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, None)])
     mask = torch.arange(n, device=q_pos.device)[None, :] <= q_pos[:, None]
     return AttentionMetadata(slots, [PrefillSpan(0, q_pos.numel(), ctx_slots, mask, q_pos)])
 

@@ -9,7 +9,7 @@ import torch
 
 from ..kv.paged import PagedKVCache
 from ..model import kernels
-from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefix, prefill_mask
+from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefix
 from ..model.llama import LlamaForCausalLM
 from ..model.window import GroupedMetadata
 from .scheduler import ScheduledSeq
@@ -82,7 +82,7 @@ class ModelRunner:
                 dec_slots.append(slots)
                 dec_tables.append(table)
             else:
-                prefills.append(PrefillSpan(t, t + n, slots, prefill_mask(n, end)))
+                prefills.append(PrefillSpan(t, t + n, slots, None))  # causal, the context's last n
             t += n
             if end == s.seq.num_tokens:
                 logits_index.append(t - 1)
