@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvmosaic.blend.rope import rerotate, shift_tables
-from kvmosaic.blend.select import attention_weights, choose, deviation, within_mean
+from kvmosaic.blend.select import attention_weights, choose, deviation, drift_estimate, within_drift
 from kvmosaic.cache.hashing import CacheNamespace
 from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_seed
 from kvmosaic.model.families import Rope
@@ -125,21 +125,39 @@ def test_attention_weights_rank_what_the_answer_reads():
     assert floored.tolist() == [0, 1, 2, 4]
 
 
-def test_within_mean_takes_the_fewest_highest_scores_left():
+def test_within_drift_takes_the_fewest_highest_scores_left():
     """The guard's repair: beyond what was chosen, the highest scores left, as few as bring the
-    mean of the rest within the bound (the floor does not apply; nothing left: mean 0)."""
+    estimate of the rest within the bound (the floor does not apply; nothing left: 0). Up to
+    DRIFT_SPAN tokens kept the estimate is their mean."""
     scores = torch.tensor([0.1, 0.9, 0.5, 0.004, 0.7])
     chosen = torch.tensor([1])
-    assert within_mean(scores, chosen, 0.4).tolist() == []  # left 0.1, 0.5, 0.004, 0.7: mean 0.326
-    assert within_mean(scores, chosen, 0.3).tolist() == [4]  # 0.1, 0.5, 0.004: 0.201
-    assert within_mean(scores, chosen, 0.2).tolist() == [4, 2]  # 0.1, 0.004: 0.052
-    assert within_mean(scores, chosen, 0.0).tolist() == [4, 2, 0, 3]
-    assert within_mean(scores, torch.arange(5), 0.0).tolist() == []
+    assert within_drift(scores, chosen, 0.4).tolist() == []  # left 0.1, 0.5, 0.004, 0.7: mean 0.326
+    assert within_drift(scores, chosen, 0.3).tolist() == [4]  # 0.1, 0.5, 0.004: 0.201
+    assert within_drift(scores, chosen, 0.2).tolist() == [4, 2]  # 0.1, 0.004: 0.052
+    assert within_drift(scores, chosen, 0.0).tolist() == [4, 2, 0, 3]
+    assert within_drift(scores, torch.arange(5), 0.0).tolist() == []
     for bound in (0.25, 0.05, 0.003):
-        extra = within_mean(scores, chosen, bound)
+        extra = within_drift(scores, chosen, bound)
         left = torch.ones(5, dtype=torch.bool)
         left[torch.cat((chosen, extra))] = False
-        assert (scores[left].double().mean() if left.any() else 0.0) <= bound
+        assert drift_estimate(scores[left]) <= bound
+
+
+def test_drift_estimate_grows_with_what_is_kept_past_the_span():
+    """The mean over up to ``span`` kept tokens, the sum / ``span`` past it: four times the tokens
+    at the same deviation is four times the estimate once past the span, and the repair then
+    recomputes until the sum left is within ``bound x span``."""
+    assert drift_estimate(torch.tensor([])) == 0.0
+    assert drift_estimate(torch.full((4,), 0.02), span=8) == pytest.approx(0.02)
+    assert drift_estimate(torch.full((8,), 0.02), span=8) == pytest.approx(0.02)
+    assert drift_estimate(torch.full((32,), 0.02), span=8) == pytest.approx(0.08)
+    scores = torch.linspace(0.001, 0.04, 32)
+    extra = within_drift(scores, torch.empty(0, dtype=torch.long), 0.03, span=8)
+    left = torch.ones(32, dtype=torch.bool)
+    left[extra] = False
+    assert float(scores[left].double().sum()) <= 0.03 * 8 < float(scores[left].double().sum()) + float(scores[extra].min())
+    assert extra.tolist() == list(range(31, 31 - extra.numel(), -1))  # the highest first
+    assert within_drift(scores, torch.empty(0, dtype=torch.long), 0.03, span=64).numel() < extra.numel()
 
 
 def test_deviation_is_relative():

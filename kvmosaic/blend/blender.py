@@ -35,7 +35,7 @@ from ..model.llama import LlamaForCausalLM
 from .forward import Picker, blend_forward
 from .prompt import SegmentSpan
 from .rope import rerotate, shift_tables
-from .select import attention_weights, choose, within_mean
+from .select import attention_weights, choose, drift_estimate, within_drift
 from .store import SegmentKVStore
 
 MODES = ("off", "shift", "blend", "auto")  # auto: blend, and chunks found without markup (auto.py)
@@ -60,7 +60,7 @@ class BlendOptions:
     # text, as the later chunks of a moved document do, is not).
     head: int = 0
     # The guard's bound (auto reuse): beyond the ratio, recompute the most deviating reused tokens
-    # until the mean deviation of those kept (BlendResult.drift) is at most this (None: no bound)
+    # until the drift estimate of those kept (BlendResult.drift) is at most this (None: no bound)
     max_drift: float | None = None
 
     def __post_init__(self) -> None:
@@ -87,9 +87,10 @@ class BlendResult:
     num_stored_tokens: int  # segment tokens computed here and added to the store
     num_recomputed_segment_tokens: int  # store hits recomputed anyway
     exact_until: int  # KV of positions below this equals a full prefill's
-    # Mean check-layer deviation score of the reused tokens kept (not recomputed): the cheap
-    # drift estimate the auto-reuse guard bounds (blend/guard.py); 0.0 when none was kept or
-    # nothing was scored (shift).
+    # The cheap drift estimate the auto-reuse guard bounds (blend/guard.py): the check-layer
+    # deviation scores of the reused tokens kept (not recomputed), averaged over at most
+    # select.DRIFT_SPAN of them (select.drift_estimate); 0.0 when none was kept or nothing was
+    # scored (shift).
     drift: float = 0.0
     # The same deviations weighted by the last prompt token's attention to them at the check
     # layer (sum over the kept tokens): how much of what the answer reads is off.
@@ -108,7 +109,7 @@ def picker(opts: BlendOptions, repaired: list[int]) -> Picker:
         idx = choose(scores, opts.ratio, opts.threshold, opts.selection == "random", gen, opts.floor, weights)
         if opts.max_drift is None:
             return idx
-        extra = within_mean(scores.float().cpu(), idx, opts.max_drift)
+        extra = within_drift(scores.float().cpu(), idx, opts.max_drift)
         repaired.append(extra.numel())
         return torch.cat((idx, extra)).sort().values
 
@@ -165,7 +166,7 @@ class Blender:
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()
         scored = out.deviation is not None and bool(kept.any())
-        drift = float(out.deviation[kept].double().mean()) if scored else 0.0
+        drift = drift_estimate(out.deviation[kept]) if scored else 0.0
         drift_attn = float((out.deviation * out.attention)[kept].sum()) if scored else 0.0
         return BlendResult(out.logits, int(kept.sum()), stored, int((reused & out.recomputed).sum()),
                            int(inexact[0]) if inexact.numel() else n, drift, drift_attn, sum(repaired))

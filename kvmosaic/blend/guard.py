@@ -1,12 +1,14 @@
 """The per-request quality guard of automatic reuse (issue 24, item 3).
 
 Reused KV is approximate. The drift estimate is what the blend pass computes anyway
-(:attr:`BlendResult.drift`: the mean check-layer deviation score of the reused tokens kept, i.e.
-how far their KV is from what this context gives them). The bound acts twice:
+(:attr:`BlendResult.drift`: the check-layer deviation scores of the reused tokens kept, i.e. how far
+their KV is from what this context gives them, averaged over at most ``select.DRIFT_SPAN`` of them:
+the mean for a few documents, growing with what is kept past that, as the measured drift does).
+The bound acts twice:
 
 1. **Repair, in the blend pass**: with ``BlendOptions.max_drift`` set (auto reuse sets it to the
    bound), the selection recomputes, beyond the ratio, the most deviating reused tokens, as few as
-   bring the estimate of those kept within the bound (``select.within_mean``): the uncertain part
+   bring the estimate of those kept within the bound (``select.within_drift``): the uncertain part
    is computed in full and the rest stays reused. A request that a bound-free blend would have
    answered above the bound costs a few more recomputed tokens, not a second prefill.
 2. **Fallback, here**: a result still above the bound (a blend without scores or without the

@@ -59,24 +59,39 @@ def choose(
     return idx.sort().values
 
 
-def within_mean(scores: torch.Tensor, chosen: torch.Tensor, max_mean: float) -> torch.Tensor:
+# The guard's estimate (drift_estimate) averages the kept tokens' deviations over at most this many
+# tokens and adds them up past it: documents four times longer kept four times the tokens at a lower
+# mean deviation and drifted 2-3x further (KL to full prefill, benchmarks/auto_reuse.py); prompts that
+# keep fewer tokens see the plain mean. BENCHMARKS.md, issue 24.
+DRIFT_SPAN = 512
+
+
+def drift_estimate(kept: torch.Tensor, span: int = DRIFT_SPAN) -> float:
+    """The auto-reuse guard's drift estimate from the check-layer deviations of the reused tokens
+    kept (in position order): their sum over ``min(len(kept), span)`` in float64, so the mean for up
+    to ``span`` tokens and the sum / ``span`` past it; 0.0 for none."""
+    n = kept.numel()
+    return float(kept.double().sum() / min(n, span)) if n else 0.0
+
+
+def within_drift(scores: torch.Tensor, chosen: torch.Tensor, bound: float, span: int = DRIFT_SPAN) -> torch.Tensor:
     """The fewest further indices (highest scores first, whatever the floor) whose choice leaves the
-    tokens not chosen with a mean score of at most ``max_mean`` (none left: mean 0): the auto-reuse
-    guard's repair (blend/guard.py)."""
+    tokens not chosen with a :func:`drift_estimate` of at most ``bound``: the auto-reuse guard's
+    repair (blend/guard.py). Taking the highest score left never raises the estimate."""
     left = torch.ones(scores.numel(), dtype=torch.bool)
     left[chosen] = False
     order = torch.nonzero(left).squeeze(1)
     order = order[torch.argsort(scores[order], descending=True, stable=True)]
-    # remaining[j]: the mean of what is left after taking the first j of ``order``, in float64
+    # remaining[j]: the estimate of what is left after taking the first j of ``order``, in float64
     ranked = scores[order].double()
     total, m = ranked.sum(), ranked.numel()
     taken = torch.cat((torch.zeros(1, dtype=torch.float64), ranked.cumsum(0)))
-    count = torch.arange(m, -1, -1, dtype=torch.float64).clamp_min(1)
+    count = torch.arange(m, -1, -1, dtype=torch.float64).clamp(1, span)
     remaining = (total - taken) / count
     remaining[m] = 0.0
-    j = int(torch.nonzero(remaining <= max_mean)[0])
-    # the mean the caller reports (BlendResult.drift: float64, in position order) must agree
-    while j < m and float(scores[order[j:].sort().values].double().mean()) > max_mean:
+    j = int(torch.nonzero(remaining <= bound)[0])
+    # the estimate the caller reports (BlendResult.drift: in position order) must agree
+    while j < m and drift_estimate(scores[order[j:].sort().values], span) > bound:
         j += 1
     return order[:j]
 
