@@ -39,10 +39,19 @@ from .store import SegmentKVStore
 
 MIN_CHUNK = 8  # chunks shorter than this are neither stored nor looked up
 MIN_REUSE = 32  # found tokens below which a prompt is an ordinary prefill
-# Reused tokens deviating at most this at the check layer are never recomputed (BlendOptions.floor):
-# a chunk found at its own position behind a small edit (a timestamp) deviates ~1e-4 past the
-# first tokens after the edit, a reordered document ~1e-2 (benchmarks/auto_reuse.py).
+# Reused tokens deviating at most this above the KV's own rounding (auto_floor) at the check layer
+# are never recomputed (BlendOptions.floor): a chunk found at its own position behind a small edit
+# (a timestamp) deviates ~1e-4 past the first tokens after the edit in float32, a reordered document
+# ~1e-2 (benchmarks/auto_reuse.py).
 AUTO_FLOOR = 0.005
+
+
+def auto_floor(kv_dtype: torch.dtype) -> float:
+    """:data:`AUTO_FLOOR` above the deviation that rounding alone gives a KV computed twice, one unit
+    roundoff of its dtype: in bfloat16 the tokens behind a timestamp edit deviate 0.0040 (median;
+    0.0076 at the 99th percentile) where float32's deviate 0.0003, and recomputing them changed
+    nothing but the reuse (BENCHMARKS.md, issue 24)."""
+    return AUTO_FLOOR + torch.finfo(kv_dtype).eps / 2
 
 
 def rule_for(tokenizer) -> ChunkRule:

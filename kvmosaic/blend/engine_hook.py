@@ -27,7 +27,7 @@ from ..cache.segments import segment_seed
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from ..tiers import TierStack
-from .auto import AUTO_FLOOR, AutoReuse, rule_for
+from .auto import AutoReuse, auto_floor, rule_for
 from .blender import Blender, BlendOptions
 from .store import SegmentKVStore
 
@@ -77,7 +77,7 @@ class SegmentReuse:
         auto = c.segment_reuse == "auto"
         selection = c.blend_selection or ("attention" if auto else "deviation")  # see EngineArgs.blend_selection
         return BlendOptions(c.segment_reuse, c.blend_ratio, c.blend_threshold, c.blend_check_layer, selection,
-                            floor=AUTO_FLOOR if auto else 0.0, head=c.blend_head_tokens,
+                            floor=auto_floor(self.kv.dtype) if auto else 0.0, head=c.blend_head_tokens,
                             max_drift=c.auto_reuse_max_drift if auto else None)
 
     def _auto_candidate(self, s, cache) -> bool:
