@@ -104,3 +104,22 @@ def test_serving_defaults_to_a_stall_bound_and_llm_to_none():
                         max_decode_stall_ms=0).max_decode_stall_ms == 0
     with pytest.raises(ValueError, match="max_decode_stall_ms"):
         EngineConfig(dtype="float32", device="cpu", max_decode_stall_ms=-1)
+
+
+def test_a_blended_prompt_is_not_taken_for_the_cost_of_a_prefill():
+    """Segment reuse computes a prompt at a fraction of a prefill's cost: were that step observed,
+    the pace would allow more prompt tokens than the stall target holds."""
+    e = LLMEngine(EngineConfig(dtype="float32", device="cpu", num_kv_blocks=256, max_decode_stall_ms=500,
+                               adaptive_threads=False, segment_reuse="auto", segment_cache_memory=64 << 20))
+    seen: list[int] = []
+    observe = e.scheduler.pace.observe
+    e.scheduler.pace.observe = lambda tokens, seconds: (seen.append(tokens), observe(tokens, seconds))
+    docs = [" ".join(f"fact {d}.{i} is the number {d * 97 + i * 13}." for i in range(12)) for d in range(3)]
+    outs = []
+    for order in (docs, docs[::-1]):
+        e.add_request("Answer from the documents.\n\n" + "\n\n".join(order) + "\n\nQuestion: which fact?",
+                      SamplingParams(max_tokens=1, temperature=0.0))
+        while e.has_unfinished_requests():
+            outs += [o for o in e.step() if o.finished]
+    assert outs[0].auto_reuse["tokens"] == 0 and outs[1].auto_reuse["tokens"] > 100  # the second was blended
+    assert [t for t in seen if t] == [len(outs[0].prompt_token_ids)]  # only the full prefill was observed

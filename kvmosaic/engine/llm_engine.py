@@ -212,8 +212,6 @@ class LLMEngine:
         outputs += [self._fail(seq, msg, "tier_load") for seq, msg in sched.failed]
         if sched.scheduled:
             failed: list = []  # (sequence, message, reason): requests whose own part of the step failed
-            prefill = sum(s.num_new_tokens for s in sched.scheduled if s.seq.num_uncomputed > 1)
-            started = time.perf_counter()
             try:
                 result = self._execute(sched, failed)
             except Exception as exc:  # the whole step failed: fail its batch, free their blocks
@@ -221,7 +219,6 @@ class LLMEngine:
                                  len(sched.scheduled))
                 return outputs + [self._fail(*f) for f in failed] + [
                     self._fail(s.seq, f"engine error in the forward pass: {exc}", "step") for s in sched.scheduled]
-            self.scheduler.pace.observe(prefill, time.perf_counter() - started)
             self.scheduler.update(sched)
             outputs += [self._fail(*f) for f in failed]
             outputs += self._process_samples(result)
@@ -245,10 +242,10 @@ class LLMEngine:
         tables = self.cache.block_tables if self.kv_layout.hybrid else self.cache.block_table
         batch = [(s, tables(s.seq.request_id)) for s in sched.scheduled]
         if not self.segment_reuse.enabled:
-            return self.runner.execute(batch)
+            return self._run(batch)
         # Segment reuse: one blend forward per newly admitted segmented prompt.
         batch, blend = self.segment_reuse.split(batch, self.cache)
-        result = self.runner.execute(batch) if batch else None
+        result = self._run(batch) if batch else None
         self.segment_reuse.harvest(batch, self.cache)  # auto: chunks of the prompts completed here
         if not blend:
             return result
@@ -268,6 +265,16 @@ class LLMEngine:
         if result is None:
             return blended
         return StepResult(torch.cat((result.logits, blended.logits)), result.sampling + blended.sampling)
+
+    def _run(self, batch: list) -> StepResult:
+        """The runner's forward pass over ``batch``, timed for the prefill pace (engine/pace.py):
+        only here, since a blended prompt's tokens cost a fraction of a prefill's and would make
+        the pace allow more prompt tokens than the stall target holds."""
+        prefill = sum(s.num_new_tokens for s, _ in batch if s.seq.num_uncomputed > 1)
+        started = time.perf_counter()
+        result = self.runner.execute(batch)
+        self.scheduler.pace.observe(prefill, time.perf_counter() - started)
+        return result
 
     def _process_samples(self, result: StepResult) -> list[RequestOutput]:
         seqs = [s.seq for s in result.sampling]

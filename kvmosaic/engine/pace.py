@@ -15,7 +15,9 @@ recent prefill steps' time beyond it per prompt token, both moving averages. Att
 token at position 4,000 dearer than one at 40; the averages follow the requests at hand.
 
 Not cut: a prompt that segment reuse blends (blend/engine_hook.py) is computed in one step, since
-its selective recompute needs the whole prompt; it costs a fraction of a full prefill.
+its selective recompute needs the whole prompt; it costs a fraction of a full prefill, and for
+that reason is not observed either (only the model runner's forward passes are: a blend's time
+per prompt token, ~0.3 of a prefill's, would raise the allowance past the stall target).
 
 Invariants: the allowance is at least :data:`MIN_CHUNK` tokens (a prompt always advances);
 before a step of :data:`MIN_SAMPLE` prompt tokens was measured it is :data:`UNMEASURED_CHUNK`; the
