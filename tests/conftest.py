@@ -3,6 +3,7 @@ so each extra engine costs only its KV pool."""
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
@@ -68,6 +69,25 @@ def record_logits(llm) -> dict[str, list[torch.Tensor]]:
 
     runner.execute = wrapped
     return seen
+
+
+@functools.cache
+def packed_gemm_rows_invariant(dtype: torch.dtype = torch.bfloat16) -> bool:
+    """Whether this CPU's oneDNN packed GEMM in ``dtype`` gives a row the same bits whatever the
+    number of rows in the call, at the shipped model's projection shapes. AVX-512 CPUs without AMX
+    do (then a prompt's rows are the same bits whether its past came from the cache or not); on an
+    AMX Xeon, past 32 rows the bfloat16 GEMM takes its tile kernel and a row's result changes."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    g = torch.Generator().manual_seed(0)
+    for n_in, n_out in ((576, 960), (576, 576), (576, 3072), (1536, 576)):
+        packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(n_out, n_in, generator=g).to(dtype), None)
+        x = torch.randn(96, n_in, generator=g).to(dtype)
+        whole = torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        for rows in (1, 7, 32, 33, 64):
+            if not torch.equal(torch.ops.mkldnn._linear_pointwise(x[:rows], packed, None, "none", [], ""), whole[:rows]):
+                return False
+    return True
 
 
 def assert_greedy_within(tol: float, a_tokens: list[list[int]], b_tokens: list[list[int]],

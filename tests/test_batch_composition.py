@@ -6,10 +6,13 @@ cache off is test_cache_equivalence.py's), in float32 and, where it is the CPU's
 (AVX512-BF16 or AMX: the dtype the target is about), in bfloat16:
 
 * float32: the tokens are equal.
-* bfloat16: oneDNN's bfloat16 GEMMs are not batch-invariant — past 32 rows a row's result depends
-  on how many rows share the call (another blocking, another order of accumulation), as on GPUs
-  (vLLM's batch-invariant mode exists for this), and the KV the stream wrote differs in the last
-  bits too. So the tolerance is stated and tested: while the streams agree, every logit is within
+* bfloat16: a decode row's result can depend on the batch, as on GPUs (vLLM's batch-invariant
+  mode exists for this). A step that also computes prompt tokens runs its decode rows through the
+  layers' oneDNN GEMMs instead of the fused C step (model/fused_decode.py), which sums in another
+  order; and on an AMX Xeon oneDNN's bfloat16 GEMMs change a row's result past 32 rows (its tile
+  kernel). The KV the stream wrote then differs in the last bits too (measured on a Zen 4 EPYC:
+  one of the three streams' logits moved by up to 0.5, tokens equal). So the tolerance is stated
+  and tested: while the streams agree, every logit is within
   ``BF16_LOGIT_TOL`` of the stream alone (measured: up to 0.78, a few bfloat16 ulps of logits
   near 30); where they part, the token alone was a near tie, its lead over the runner-up within
   twice that (the most two logits that each moved by the tolerance can change their order).
