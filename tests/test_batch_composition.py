@@ -16,6 +16,10 @@ cache off is test_cache_equivalence.py's), in float32 and, where it is the CPU's
   ``BF16_LOGIT_TOL`` of the stream alone (measured: up to 0.78, a few bfloat16 ulps of logits
   near 30); where they part, the token alone was a near tie, its lead over the runner-up within
   twice that (the most two logits that each moved by the tolerance can change their order).
+
+With ``batch_invariant`` (engine/model_runner.py) a step's decode rows take the fused step beside
+prompt tokens too: where the CPU's GEMMs give a prompt row the same bits at any row count, the
+logits are then the same bits alone and beside the 50, in both dtypes.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 
 from kvmosaic import SamplingParams
 from kvmosaic.engine.config import auto_dtype
-from tests.conftest import assert_greedy_within, make_llm, record_logits
+from tests.conftest import assert_greedy_within, make_llm, packed_gemm_rows_invariant, record_logits
 
 BF16_LOGIT_TOL = 1.0
 MINE = 3
@@ -84,3 +88,19 @@ def test_greedy_alone_equals_greedy_beside_50_streams(dtype, cache):
         assert beside_tokens == alone_tokens
         return
     assert_greedy_within(BF16_LOGIT_TOL, alone_tokens, beside_tokens, alone_logits, beside_logits)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_batch_invariant_streams_are_the_same_bits_beside_50(dtype):
+    if dtype == "bfloat16" and auto_dtype(torch.device("cpu")) != "bfloat16":
+        pytest.skip("bfloat16 is not this CPU's auto dtype (no AVX512-BF16 or AMX)")
+    if not packed_gemm_rows_invariant(getattr(torch, dtype)):
+        pytest.skip(f"this CPU's {dtype} GEMMs change a row's result with the row count (an AMX Xeon past 32 rows)")
+    llm = make_llm(dtype=dtype, num_kv_blocks=1024, batch_invariant=True)
+    mine, others = workload(llm.tokenizer)
+    alone_tokens, alone_logits = run(llm, mine, [])
+    llm.reset_prefix_cache()
+    beside_tokens, beside_logits = run(llm, mine, others)
+    assert beside_tokens == alone_tokens
+    for one, other in zip(alone_logits, beside_logits, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(one, other, strict=True))

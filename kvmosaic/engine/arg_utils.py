@@ -150,6 +150,11 @@ class EngineArgs(CliArgs):
     cascade_attention: bool = option(True, "decodes sharing a cached prefix attend it once for all, where that "
                                            "is faster: not with the CPU decode kernel, which reads it per row "
                                            "faster (--no-cascade-attention: never)")
+    batch_invariant: bool = option(False, "a step that also computes prompt tokens runs its decode rows through "
+                                          "the fused decode step as a step of decodes alone does, so a stream's "
+                                          "logits do not depend on what else the batch holds (bit for bit where "
+                                          "the CPU's GEMMs are row-invariant: AVX-512 without AMX); such steps "
+                                          "read the weights twice (engine/model_runner.py)")
     max_model_len: int | None = option(None, "context length (default: the model's)", type=int)
     enable_prefix_caching: bool = option(True, "--no-enable-prefix-caching is --prefix-cache none")
     prefix_cache: str | None = option(None, "hash (vLLM's block hash chain), radix (SGLang's tree) or none "

@@ -38,10 +38,14 @@ class StepResult:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, cascade: bool = True) -> None:
+    def __init__(self, model: LlamaForCausalLM, kv: PagedKVCache, cascade: bool = True,
+                 batch_invariant: bool = False) -> None:
+        """``batch_invariant``: a step of decodes and prompt tokens runs as two passes, the decodes
+        alone first (see :meth:`execute`)."""
         self.model = model
         self.kv = kv
         self.cascade = cascade and cascade_pays(model, kv)
+        self.batch_invariant = batch_invariant
         self.device = kv.device
 
     def prepare(self, batch: list[tuple[ScheduledSeq, list]]):
@@ -59,8 +63,7 @@ class ModelRunner:
         return ids, pos, GroupedMetadata(metas, layout.group_of), logits_index, sampling
 
     def _prepare(self, batch: list[tuple[ScheduledSeq, list[int]]], cascade: bool):
-        if batch and not cascade and all(s.num_new_tokens == 1 and s.seq.num_computed_tokens + 1 == s.seq.num_tokens
-                                         for s, _ in batch):
+        if batch and not cascade and all(_is_decode(s) for s, _ in batch):
             return self._prepare_decodes(batch)
         return self._prepare_rows(batch, cascade)
 
@@ -138,6 +141,20 @@ class ModelRunner:
         return DecodeBatch(torch.tensor(index), padded, mask, shared, lens)
 
     def execute(self, batch: list[tuple[ScheduledSeq, list[int]]]) -> StepResult:
+        """One forward pass over the step; with ``batch_invariant``, a step that mixes decodes and
+        prompt tokens as two: the decodes take the path a step of decodes alone takes (the fused
+        decode step where it serves), whose rows do not depend on the batch, instead of the
+        layers' GEMMs shared with the prompt rows, which sum in another order. The logits' rows
+        follow ``sampling`` either way."""
+        if self.batch_invariant:
+            decodes = [pair for pair in batch if _is_decode(pair[0])]
+            if decodes and len(decodes) < len(batch):
+                first = self._forward(decodes)
+                second = self._forward([pair for pair in batch if not _is_decode(pair[0])])
+                return StepResult(torch.cat((first.logits, second.logits)), first.sampling + second.sampling)
+        return self._forward(batch)
+
+    def _forward(self, batch: list[tuple[ScheduledSeq, list[int]]]) -> StepResult:
         ids, pos, meta, logits_index, sampling = self.prepare(batch)
         dev = self.device
         if dev.type != "cpu":
@@ -145,6 +162,11 @@ class ModelRunner:
             ids, pos, logits_index = ids.to(dev), pos.to(dev), logits_index.to(dev)
         logits = self.model(ids, pos, self.kv, meta, logits_index)
         return StepResult(logits, sampling)
+
+
+def _is_decode(s: ScheduledSeq) -> bool:
+    """One new token, the sequence's last: a decode (or a prompt's last token, computed as one)."""
+    return s.num_new_tokens == 1 and s.seq.num_computed_tokens + 1 == s.seq.num_tokens
 
 
 def shared_prefixes(tables: list[list[int]], ctx_lens: list[int], block_size: int,
