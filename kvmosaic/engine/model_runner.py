@@ -147,10 +147,11 @@ class ModelRunner:
         layers' GEMMs shared with the prompt rows, which sum in another order. The logits' rows
         follow ``sampling`` either way."""
         if self.batch_invariant:
-            decodes = [pair for pair in batch if _is_decode(pair[0])]
-            if decodes and len(decodes) < len(batch):
-                first = self._forward(decodes)
-                second = self._forward([pair for pair in batch if not _is_decode(pair[0])])
+            decodes, prompts = [], []
+            for pair in batch:
+                (decodes if _is_decode(pair[0]) else prompts).append(pair)
+            if decodes and prompts:
+                first, second = self._forward(decodes), self._forward(prompts)
                 return StepResult(torch.cat((first.logits, second.logits)), first.sampling + second.sampling)
         return self._forward(batch)
 
