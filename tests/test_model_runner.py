@@ -45,3 +45,28 @@ def test_a_decode_step_gets_the_same_inputs_built_at_once(monkeypatch):
                         [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in (3, 20, 9, 14, 6)])
     assert all(len(o.token_ids) for o in outs)
     assert seen["decodes"] >= 10 and seen["rows"] >= 1  # rows of different lengths decoded together, and prefills
+
+
+def test_the_warm_up_runs_a_prompt_and_a_decode_and_leaves_no_trace(monkeypatch):
+    """At start-up the runner runs a short prompt and one decode (``ModelRunner.warm_up``) over
+    blocks nothing holds: no block stays used, no event or token is counted, nothing is cached, and
+    the first request's tokens are those of an engine that never warmed up."""
+    from kvmosaic.engine.model_runner import ModelRunner, _is_decode
+
+    steps = []
+    execute = ModelRunner.execute
+    monkeypatch.setattr(ModelRunner, "execute", lambda self, batch: steps.append(
+        (batch[0][0].num_new_tokens, _is_decode(batch[0][0]))) or execute(self, batch))
+    llm = make_llm(block_size=16, enable_kv_events=True)
+    assert steps == [(16, False), (1, True)]
+    engine = llm.engine
+    assert engine.pool.num_used_blocks == 0 and engine.events.drain() == ([], 0)
+    assert engine.prompt_tokens == engine.generation_tokens == 0
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompt = {"prompt_token_ids": [0] * 16 + list(range(300, 340))}  # begins as the warm-up's prompt
+    first = llm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0
+
+    monkeypatch.setattr(ModelRunner, "warm_up", lambda self, prompt_tokens=16: None)
+    cold = make_llm(block_size=16, enable_kv_events=True)
+    assert cold.generate([prompt], params)[0].token_ids == first.token_ids

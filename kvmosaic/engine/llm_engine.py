@@ -108,6 +108,7 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv, cascade=config.cascade_attention,
                                   batch_invariant=config.batch_invariant)
+        self.runner.warm_up()
         self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint,
                                           self.tiers.stack if self.tiers is not None else None, self.tokenizer)
         self.inputs = InputProcessor(self.tokenizer, cfg.vocab_size, self.max_model_len, num_blocks,

@@ -12,7 +12,9 @@ from ..model import kernels
 from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefix
 from ..model.llama import LlamaForCausalLM
 from ..model.window import GroupedMetadata
+from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq
+from .sequence import Sequence
 
 # Cascade decode attention (model/attention.py) for a prefix shared by at least two decodes and
 # at least this many blocks long; shorter ones cost more in extra kernel calls than they save.
@@ -47,6 +49,25 @@ class ModelRunner:
         self.cascade = cascade and cascade_pays(model, kv)
         self.batch_invariant = batch_invariant
         self.device = kv.device
+
+    def warm_up(self, prompt_tokens: int = 16) -> None:
+        """Run one short prompt and one decode step over the pool's first blocks, before any
+        request holds a block (the engine calls it at start-up, when the pool is empty): the
+        first request then does not pay for what a process's first forward pass builds once
+        (oneDNN's primitives, the kernels' first calls, the fused decode step's decision), as vLLM
+        runs a dummy batch before it serves. The output is dropped; what the pass wrote into those
+        blocks is overwritten by the first request that gets them, as any freed block's is."""
+        bs, groups = self.kv.block_size, len(self.kv.layout.groups)
+        per_group = -(-(prompt_tokens + 1) // bs)
+        if per_group * groups > self.kv.num_blocks:
+            return
+        tables = [list(range(g * per_group, (g + 1) * per_group)) for g in range(groups)]
+        table = tables if self.kv.layout.hybrid else tables[0]
+        seq = Sequence("warm-up", None, [0] * prompt_tokens, SamplingParams(max_tokens=1))
+        self.execute([(ScheduledSeq(seq, prompt_tokens), table)])
+        seq.num_computed_tokens = prompt_tokens
+        seq.append_token(0)
+        self.execute([(ScheduledSeq(seq, 1), table)])
 
     def prepare(self, batch: list[tuple[ScheduledSeq, list]]):
         """Build the packed inputs; ``batch`` pairs each scheduled sequence with its table, or
