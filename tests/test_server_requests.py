@@ -73,7 +73,7 @@ def test_sdk_extras_and_unknown_fields_are_accepted(server):
 
 
 @pytest.mark.parametrize("body,field", [
-    ({"prompt": "x", "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "priority": 3}, "priority"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
@@ -81,7 +81,7 @@ def test_sdk_extras_and_unknown_fields_are_accepted(server):
     ({"prompt": "x", "response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {
         "type": "nonsense"}}}}, "JSON schema cannot be used"),
     ({"prompt": "x", "response_format": {"type": "yaml"}}, "response_format"),
-    ({"prompt": "x", "echo": True}, "echo"),
+    ({"prompt": "x", "max_tokens": 0}, "only with echo"),
     ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"999999": 1}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"5": 500}}, "logit_bias"),
@@ -226,6 +226,60 @@ def test_a_list_of_prompts_gets_choices_in_openai_order(server, tokenizer):
 def test_a_bad_prompt_in_a_list_refuses_the_request_and_holds_nothing(server):
     r = httpx.post(server.url + C, json={"prompt": ["fine", "word " * 3000], "max_tokens": 2}, timeout=60)
     assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+    idle(server)
+
+
+# ---- echo and prompt log-probabilities ----------------------------------------------------
+def test_echo_with_max_tokens_zero_scores_the_prompt_as_lm_eval_asks(server, tokenizer):
+    """lm-evaluation-harness's log-likelihood request: the prompt alone, each token's log-probability."""
+    prompt = unique("The capital of France is Paris")
+    body = {"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 1, "temperature": 0}
+    first, second = (httpx.post(server.url + C, json=body, timeout=120).json() for _ in range(2))
+    ch, ids = first["choices"][0], tokenizer.encode(prompt, add_special_tokens=False)
+    assert ch["text"] == prompt and ch["finish_reason"] == "length"
+    assert first["usage"]["completion_tokens"] == 0 and first["usage"]["prompt_tokens"] == len(ids)
+    lps = ch["logprobs"]
+    assert "".join(lps["tokens"]) == prompt and len(lps["token_logprobs"]) == len(ids)
+    assert lps["token_logprobs"][0] is None and lps["top_logprobs"][0] is None
+    assert all(lp <= 0 for lp in lps["token_logprobs"][1:])
+    assert lps["text_offset"] == [sum(len(t) for t in lps["tokens"][:i]) for i in range(len(ids))]
+    vllm = ch["prompt_logprobs"]  # vLLM's field, the same numbers with ranks
+    assert vllm[0] is None and all(vllm[i][str(t)]["logprob"] == lps["token_logprobs"][i] and vllm[i][str(t)]["rank"] >= 1
+                                   for i, t in enumerate(ids) if i)
+    assert second["choices"][0]["logprobs"] == lps  # computed again, not read from the cache
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    idle(server)
+
+
+def test_echo_with_a_completion_whole_and_streamed(server):
+    prompt = unique("One, two, three,")
+    c = client(server)
+    whole = c.completions.create(model=None, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2)
+    plain = c.completions.create(model=None, prompt=prompt, max_tokens=4, temperature=0)
+    ch = whole.choices[0]
+    assert ch.text == prompt + plain.choices[0].text
+    n_prompt = whole.usage.prompt_tokens
+    assert len(ch.logprobs.tokens) == n_prompt + 4 and ch.logprobs.token_logprobs[0] is None
+    assert ch.logprobs.text_offset == sorted(ch.logprobs.text_offset)
+    with httpx.stream("POST", server.url + C, json={"prompt": prompt, "max_tokens": 4, "temperature": 0,
+                                                    "echo": True, "logprobs": 2, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["text"].startswith(prompt)
+    assert "".join(x["choices"][0]["text"] for x in chunks) == ch.text
+    streamed = [t for x in chunks for t in x["choices"][0]["logprobs"]["token_logprobs"]]
+    assert streamed == ch.logprobs.token_logprobs
+    idle(server)
+
+
+def test_prompt_logprobs_in_chat_and_with_n(server):
+    r = httpx.post(server.url + CHAT, json={"messages": USER, "max_tokens": 2, "prompt_logprobs": 0}, timeout=120)
+    body = r.json()
+    assert r.status_code == 200 and body["prompt_logprobs"][0] is None
+    assert len(body["prompt_logprobs"]) == body["usage"]["prompt_tokens"]
+    assert all(len(e) == 1 for e in body["prompt_logprobs"][1:])  # k = 0: the prompt's own token
+    both = complete(server, unique("Colours:"), max_tokens=2, n=2, echo=True, prompt_logprobs=1)
+    a, b = both["choices"]
+    assert a["prompt_logprobs"] == b["prompt_logprobs"] and a["text"][:10] == b["text"][:10]
     idle(server)
 
 

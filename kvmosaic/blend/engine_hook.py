@@ -83,7 +83,7 @@ class SegmentReuse:
     def _auto_candidate(self, s, cache) -> bool:
         """Auto mode, on the step that admits an unmarked prompt: look its chunks up once."""
         seq = s.seq
-        if not self.auto_on or seq.auto_checked or seq.output_token_ids:
+        if not self.auto_on or seq.auto_checked or seq.output_token_ids or not seq.reads_cache:
             return False
         seq.auto_checked = True
         start = seq.num_computed_tokens
@@ -99,7 +99,8 @@ class SegmentReuse:
         plain, blend = [], []
         for s, table in batch:
             seq = s.seq
-            if seq.segments is not None and cache.allocate_slots(seq, seq.num_tokens) is not None:
+            if seq.segments is not None and seq.reads_cache and \
+                    cache.allocate_slots(seq, seq.num_tokens) is not None:
                 blend.append((s, table))
             elif seq.segments is None and self._auto_candidate(s, cache):
                 blend.append((s, table))

@@ -43,6 +43,7 @@ from .logits_processors import apply_logits_processors
 from .model_runner import ModelRunner, StepResult
 from .output_processor import OutputProcessor, RequestOutput
 from .parallel_sampling import ParallelSampling, child_request_ids
+from .prompt_logprobs import record as record_prompt_logprobs
 from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -222,6 +223,7 @@ class LLMEngine:
                 return outputs + [self._fail(*f) for f in failed] + [
                     self._fail(s.seq, f"engine error in the forward pass: {exc}", "step") for s in sched.scheduled]
             self.scheduler.update(sched)
+            record_prompt_logprobs(result.prompt_logprobs)
             outputs += [self._fail(*f) for f in failed]
             outputs += self._process_samples(result)
         return outputs + self.samples.take_orphans()
@@ -266,16 +268,19 @@ class LLMEngine:
         blended = StepResult(logits, [s for s, _ in blend])
         if result is None:
             return blended
-        return StepResult(torch.cat((result.logits, blended.logits)), result.sampling + blended.sampling)
+        return StepResult(torch.cat((result.logits, blended.logits)), result.sampling + blended.sampling,
+                          result.prompt_logprobs)
 
     def _run(self, batch: list) -> StepResult:
         """The runner's forward pass over ``batch``, timed for the prefill pace (engine/pace.py):
         only here, since a blended prompt's tokens cost a fraction of a prefill's and would make
-        the pace allow more prompt tokens than the stall target holds."""
+        the pace allow more prompt tokens than the stall target holds (and a step that scored
+        prompt log-probabilities costs more than one)."""
         prefill = sum(s.num_new_tokens for s, _ in batch if s.seq.num_uncomputed > 1)
         started = time.perf_counter()
         result = self.runner.execute(batch)
-        self.scheduler.pace.observe(prefill, time.perf_counter() - started)
+        if not result.prompt_logprobs:  # nor a step that ran the head over prompt rows
+            self.scheduler.pace.observe(prefill, time.perf_counter() - started)
         return result
 
     def _process_samples(self, result: StepResult) -> list[RequestOutput]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -12,6 +12,7 @@ from ..model import kernels
 from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefix
 from ..model.llama import LlamaForCausalLM
 from ..model.window import GroupedMetadata
+from .prompt_logprobs import Scored, prompt_rows, score
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
@@ -37,6 +38,8 @@ def cascade_pays(model: LlamaForCausalLM, kv: PagedKVCache) -> bool:
 class StepResult:
     logits: torch.Tensor  # [num_sampling, vocab] float32
     sampling: list[ScheduledSeq]  # the sequences that reached their last token, row order
+    # (sequence, first position, entries) of the step's prompt log-probabilities (prompt_logprobs.py)
+    prompt_logprobs: Scored = field(default_factory=list)
 
 
 class ModelRunner:
@@ -173,7 +176,8 @@ class ModelRunner:
                 (decodes if _is_decode(pair[0]) else prompts).append(pair)
             if decodes and prompts:
                 first, second = self._forward(decodes), self._forward(prompts)
-                return StepResult(torch.cat((first.logits, second.logits)), first.sampling + second.sampling)
+                return StepResult(torch.cat((first.logits, second.logits)), first.sampling + second.sampling,
+                                  first.prompt_logprobs + second.prompt_logprobs)
         return self._forward(batch)
 
     def _forward(self, batch: list[tuple[ScheduledSeq, list[int]]]) -> StepResult:
@@ -182,8 +186,11 @@ class ModelRunner:
         if dev.type != "cpu":
             meta = _to_device(meta, dev)
             ids, pos, logits_index = ids.to(dev), pos.to(dev), logits_index.to(dev)
-        logits = self.model(ids, pos, self.kv, meta, logits_index)
-        return StepResult(logits, sampling)
+        rows = prompt_rows(batch)
+        if rows is None:
+            return StepResult(self.model(ids, pos, self.kv, meta, logits_index), sampling)
+        logits, hidden = self.model(ids, pos, self.kv, meta, logits_index, rows.index.to(dev))
+        return StepResult(logits, sampling, score(self.model, hidden, rows))
 
 
 def _is_decode(s: ScheduledSeq) -> bool:

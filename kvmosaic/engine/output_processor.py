@@ -28,6 +28,10 @@ class RequestOutput:
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     logprobs: list[dict[int, float]] | None = None
+    # SamplingParams.prompt_logprobs: None for the first prompt token, then {token: log-probability}
+    # for each (the prompt's own token and the top-k); None when not asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank at its position (1: most likely)
     num_segment_tokens: int = 0
     # Automatic segment reuse (segment_reuse="auto"): None when the engine did not look for
     # chunks; else {"tokens": reused tokens kept, "drift": the guard's estimate (None when
@@ -135,6 +139,8 @@ class OutputProcessor:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             logprobs=list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+            prompt_logprobs=seq.prompt_logprobs,  # complete once the first token is out; never changed after
+            prompt_ranks=seq.prompt_ranks,
             metrics={"arrival_time": seq.arrival_time, "ttft": seq.ttft,
                      "e2e": (seq.finish_time - seq.arrival_time) if seq.finish_time else None,
                      "num_preemptions": seq.num_preemptions, **(phase_metrics(seq) if seq.finished else {})},

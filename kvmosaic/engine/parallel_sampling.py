@@ -40,6 +40,7 @@ def make_child(parent: Sequence, child_id: str) -> Sequence:
                      arrival_time=parent.arrival_time)
     child.parent_id, child.index = parent.request_id, index
     child.first_scheduled_time = parent.first_scheduled_time  # its queue time is its parent's
+    child.prompt_logprobs, child.prompt_ranks = parent.prompt_logprobs, parent.prompt_ranks  # the same prompt
     return child
 
 

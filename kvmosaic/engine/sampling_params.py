@@ -19,7 +19,8 @@ class SamplingParams:
     ``temperature == 0`` (or any value below ``SAMPLING_EPS``, 1e-5) is greedy. ``top_k`` of -1 (or 0) and ``top_p`` of 1 disable those
     filters. ``seed`` makes a sampled request reproducible regardless of what it is batched
     with. ``logprobs=k`` returns the top-k log-probabilities of each generated token (of the
-    raw distribution, before the processors below).
+    raw distribution, before the processors below); ``prompt_logprobs=k`` the same for every
+    prompt token but the first, which makes the request compute its whole prompt.
 
     Logits processing (vLLM's semantics, applied batched in ``logits_processors.py`` before
     any sampling, greedy included; at their defaults the logits are untouched):
@@ -54,6 +55,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     min_tokens: int = 0
     skip_special_tokens: bool = True
+    # vLLM's prompt_logprobs: for every prompt token but the first, its log-probability and the
+    # top-k at the position before (engine/prompt_logprobs.py). The request then reads nothing
+    # from the cache: its whole prompt is computed.
+    prompt_logprobs: int | None = None
     # Structured output (engine/structured.py): the output is a JSON document of this schema
     # (``{"type": "object"}``: any JSON object). None: free text.
     json_schema: dict | str | None = None
@@ -76,6 +81,9 @@ class SamplingParams:
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), "stop_token_ids must be token ids")
         _check(self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
                f"logprobs must be in [0, 20], got {self.logprobs}")
+        _check(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and not isinstance(
+            self.prompt_logprobs, bool) and 0 <= self.prompt_logprobs <= 20),
+               f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         _check(isinstance(self.n, int) and 1 <= self.n <= MAX_N, f"n must be in [1, {MAX_N}], got {self.n}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)

@@ -274,11 +274,11 @@ class Scheduler:
                 continue  # its tenant holds its share of the slots while another tenant waits
             if caps.get(seq.tenant, 1) <= 0:
                 continue  # its tenant had its prefill tokens of this step (FairShare.chunk_caps)
-            match = self.kv.match_prefix(seq)
-            if inflight and self._next_block_in_flight(seq, match, inflight):
+            match = self.kv.match_prefix(seq) if seq.reads_cache else MatchResult()
+            if inflight and seq.reads_cache and self._next_block_in_flight(seq, match, inflight):
                 continue  # another sequence is computing it: hit it at a later step
             external = 0
-            if self.connector is not None:
+            if self.connector is not None and seq.reads_cache:
                 try:
                     external, load_async = self.connector.get_num_new_matched_tokens(seq, match)
                 except Exception as exc:  # noqa: BLE001 - a tier load fails this request alone
@@ -356,9 +356,10 @@ class Scheduler:
 
     def _admit(self, seq: Sequence, match: MatchResult, cached: int | None = None) -> None:
         cached = match.num_tokens if cached is None else cached
-        self.kv.record_query(seq, match)
-        if self.lens is not None:
-            self.lens.on_admit(seq, match, cached)
+        if seq.reads_cache:  # one that cannot read the cache is no query of it (vLLM's rule)
+            self.kv.record_query(seq, match)
+            if self.lens is not None:
+                self.lens.on_admit(seq, match, cached)
         seq.num_computed_tokens = cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = cached

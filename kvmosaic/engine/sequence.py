@@ -39,6 +39,10 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    # params.prompt_logprobs: None for the first prompt token, then one dict a token, as the
+    # prompt's chunks are computed (engine/prompt_logprobs.py)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank there (1: the most likely)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1: not admitted yet)
@@ -90,6 +94,12 @@ class Sequence:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def reads_cache(self) -> bool:
+        """Whether its prompt may start from cached KV (the pool, the tiers, segment reuse): not
+        when it asks for prompt log-probabilities, which need every prompt position computed."""
+        return self.params.prompt_logprobs is None
 
     @property
     def num_tokens(self) -> int:

@@ -342,11 +342,15 @@ class LlamaForCausalLM(nn.Module):
         kv: PagedKV,
         meta: AttentionMetadata | GroupedMetadata,
         logits_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+        hidden_index: torch.Tensor | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Run the packed batch; return logits only at ``logits_index`` (all tokens if None),
-        which skips the vocabulary projection for every prompt token but the last."""
+        which skips the vocabulary projection for every prompt token but the last. With
+        ``hidden_index``, also the last layer's hidden states at those rows (before the final
+        norm: :meth:`compute_logits` takes them), as ``(logits, hidden)``: prompt
+        log-probabilities ask the head of every prompt row, in slices (engine/prompt_logprobs.py)."""
         x = self.embed(input_ids)
-        fused = self.fused_decode(kv, meta)
+        fused = self.fused_decode(kv, meta) if hidden_index is None else None
         logits = fused.step(x, positions, kv, meta, logits_index) if fused is not None else None
         if logits is not None:
             return logits
@@ -365,9 +369,10 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, ropes[layer.rope_index], kv, m)
         if residual is not None:
             x = x + residual
+        hidden = None if hidden_index is None else x.index_select(0, hidden_index)
         if logits_index is not None:
             x = x.index_select(0, logits_index)
-        return self.compute_logits(x)
+        return self.compute_logits(x) if hidden is None else (self.compute_logits(x), hidden)
 
     def load_hf_tensors(self, tensors: dict[str, torch.Tensor]) -> None:
         """Load Hugging Face names, fusing q/k/v and gate/up (or taking them fused, as Phi-3

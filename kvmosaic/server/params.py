@@ -30,6 +30,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int
     if room < 1:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt "
                             f"has {num_prompt}, leaving no room for a completion", prompt_param)
+    if req.echo_without_generation:  # the engine computes one token, dropped (server/echo.py)
+        max_tokens = 1
     if max_tokens is not None and max_tokens > room:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens, but "
                             f"{num_prompt + max_tokens} were requested ({num_prompt} in the prompt, "
@@ -44,6 +46,15 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int
             presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias_ids,
             min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
+            prompt_logprobs=prompt_logprobs_of(req, logprobs),
             json_schema=req.response_format.output_schema if req.response_format is not None else None)
     except ValueError as e:
         raise APIError(400, str(e)) from None
+
+
+def prompt_logprobs_of(req: SamplingFields, logprobs: int | None) -> int | None:
+    """vLLM's rule: ``prompt_logprobs``, or with ``echo`` (completions) the ``logprobs`` asked for
+    the completion."""
+    if req.prompt_logprobs is not None:
+        return req.prompt_logprobs
+    return logprobs if getattr(req, "echo", False) else None

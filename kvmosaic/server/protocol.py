@@ -3,8 +3,8 @@
 Strict on purpose: a field of the wrong type is an error, never coerced (``"5"`` is not 5).
 An unknown field is ignored and named in one log line per request (vLLM's rule, so the
 extras that SDKs send do not break clients; :func:`ignored_fields` finds them, nested ones
-included). Known fields this server cannot honour (``echo``, ``suffix``,
-``prompt_logprobs``, ``best_of`` other than ``n``, ``priority``, ``use_beam_search``,
+included). Known fields this server cannot honour (``suffix``, ``best_of`` other than ``n``,
+``priority``, ``use_beam_search``,
 ``truncate_prompt_tokens``) are accepted only at their neutral value, and a 400 naming the
 field otherwise. (A misspelt ``cache_salt`` is therefore ignored, with that log line; to keep
 tenants apart without trusting the body, derive salts from API keys, server/tenancy.py.) Known fields that change nothing
@@ -175,9 +175,11 @@ class SamplingFields(StrictModel):
     metadata: Annotated[dict[Annotated[str, Field(max_length=64)], Annotated[str, Field(max_length=512)]],
                         Field(max_length=MAX_METADATA)] | None = None
     service_tier: str | None = None
+    # vLLM's: for every prompt token but the first, its log-probability and the top-k before it
+    # (server/echo.py); the request then computes its whole prompt, reading nothing from the cache.
+    prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
     # Known, supported only at their neutral value (a 400 naming the field otherwise).
     priority: int = 0
-    prompt_logprobs: int | None = None
     use_beam_search: bool = False
     truncate_prompt_tokens: int | None = None
     response_format: ResponseFormat | None = None
@@ -194,7 +196,7 @@ class SamplingFields(StrictModel):
     def _supported(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        for name, neutral in (("priority", 0), ("prompt_logprobs", None), ("use_beam_search", False),
+        for name, neutral in (("priority", 0), ("use_beam_search", False),
                               ("truncate_prompt_tokens", None)):
             if getattr(self, name) != neutral:
                 raise ValueError(f"{name} is not supported by this server (only {json.dumps(neutral)})")
@@ -204,6 +206,11 @@ class SamplingFields(StrictModel):
         if isinstance(self.stop, str) and not self.stop or isinstance(self.stop, list) and not all(self.stop):
             raise ValueError("stop strings must not be empty")
         return self
+
+    @property
+    def echo_without_generation(self) -> bool:
+        """``echo`` with ``max_tokens`` 0 (completions): the prompt alone, scored."""
+        return bool(getattr(self, "echo", False)) and getattr(self, "max_tokens", None) == 0
 
     @property
     def logit_bias_ids(self) -> dict[int, float] | None:
@@ -220,9 +227,10 @@ TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_
 class CompletionRequest(SamplingFields):
     prompt: str | TokenIds | Annotated[list[str], Field(min_length=1, max_length=MAX_PROMPTS)] | Annotated[
         list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
-    max_tokens: Annotated[int, Field(ge=1)] | None = 16
+    echo: bool = False  # before max_tokens: its check reads it
+    # 0 only with echo: the prompt alone, scored (server/echo.py)
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    echo: bool = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
     # kvmosaic extension: the prompt is ``prompt + segments... + segment_suffix``; with the
@@ -230,10 +238,15 @@ class CompletionRequest(SamplingFields):
     segments: Annotated[list[str], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
     segment_suffix: str = ""
 
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, value, info):
+        if value == 0 and not info.data.get("echo"):
+            raise ValueError("Input should be greater than or equal to 1 (0 asks for the prompt alone: only with echo)")
+        return value
+
     @model_validator(mode="after")
     def _completion_supported(self):
-        if self.echo:
-            raise ValueError("echo is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
         if self.best_of is not None and self.best_of != self.n:

@@ -27,6 +27,7 @@ from starlette.types import Receive, Scope, Send
 
 from ..engine.output_processor import RequestOutput
 from ..engine.sampling_params import SamplingParams
+from . import echo as E
 from . import responses as R
 from .async_engine import AsyncEngine, RequestFailed, RequestStream
 from .choices import merge
@@ -262,6 +263,8 @@ class OpenAIServing:
             outs = await self._collect(request, streams)
         finally:
             abort_all()  # every request finished: only the tenant's count is released
+        if req.echo_without_generation:
+            outs = [E.without_generation(o) for o in outs]
         choices = []
         for i, out in enumerate(outs):
             if chat:
@@ -273,10 +276,12 @@ class OpenAIServing:
                     choice["finish_reason"] = tool_finish(out.finish_reason, calls)
                 choices.append(choice)
             else:
-                lps = R.completion_logprobs(out, 0, self.decode, 0) if logprobs is not None else None
-                choices.append(R.completion_choice(i, out, lps))
-        body = R.chat_body if chat else R.completion_body
-        return JSONResponse(body(rid, created, self.model_name, choices, usage_of(outs, req.return_miss_reasons)))
+                choices.append(E.completion_choice(i, out, req.echo, logprobs, self.decode, self.tokenizer.decode))
+        body = (R.chat_body if chat else R.completion_body)(rid, created, self.model_name, choices,
+                                                           usage_of(outs, req.return_miss_reasons))
+        if chat and outs[0].prompt_logprobs is not None:  # vLLM's place for it in a chat response
+            body["prompt_logprobs"] = E.prompt_logprobs(outs[0], self.decode)
+        return JSONResponse(body)
 
     async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
         """The final output of every stream, in order; aborts them all if the client goes away
@@ -309,6 +314,9 @@ class OpenAIServing:
         parsers = [tools.stream() for _ in streams] if tools is not None else None
         sent_tokens = [0] * len(streams)
         latest: list[RequestOutput | None] = [None] * len(streams)
+        heads = [E.StreamHead(getattr(req, "echo", False), logprobs, self.decode, self.tokenizer.decode)
+                 for _ in streams]
+        drop = req.echo_without_generation
         if chat:
             for i in range(len(streams)):
                 yield sse(R.chat_chunk(rid, created, self.model_name, {"role": "assistant", "content": ""}, None,
@@ -316,6 +324,10 @@ class OpenAIServing:
         results = merge(streams)
         try:
             async for i, out in results:
+                if drop and out.finished:
+                    out = E.without_generation(out)
+                elif drop:
+                    continue
                 latest[i] = out
                 text = texts[i]
                 delta = text.next(out.text, out.finished)
@@ -345,9 +357,9 @@ class OpenAIServing:
                     body = R.chat_chunk(rid, created, self.model_name, {"content": delta} if delta else {},
                                         R.finish_reason(out), lps, i)
                 else:
-                    lps = R.completion_logprobs(out, sent_tokens[i], self.decode, text.sent - len(delta)) \
-                        if logprobs is not None else None
-                    body = R.completion_chunk(rid, created, self.model_name, delta, R.finish_reason(out), lps, i)
+                    piece, lps, extra = heads[i].chunk(out, delta, sent_tokens[i], text.sent - len(delta))
+                    body = R.completion_chunk(rid, created, self.model_name, piece, R.finish_reason(out), lps, i)
+                    body["choices"][0].update(extra)
                 sent_tokens[i] = len(out.token_ids)
                 if include_usage:
                     body["usage"] = usage_of(latest, req.return_miss_reasons) if continuous else None

@@ -1,0 +1,87 @@
+"""Prompt log-probabilities (vLLM's ``prompt_logprobs``; the completions API's ``echo`` with
+``logprobs``): for every prompt token but the first, the log-probability the model gave it at the
+position before, with the top-k there (the raw distribution, as for generated tokens).
+
+They need the head over every prompt position, so a request that asks for them reads nothing from
+the cache (``Sequence.reads_cache``: not the pool, the tiers or segment reuse; vLLM's rule, since a
+cached position has no hidden state here) and counts as no cache query. Its blocks are stored as
+any prompt's are, for the requests after it. The runner takes the last layer's hidden states at
+those rows (``LlamaForCausalLM.forward``'s ``hidden_index``) and runs the head over ``SLICE`` rows
+at a time, so a 2,048-token chunk holds ``SLICE`` x vocabulary logits at once, not 2,048."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .sampler import top_logprobs
+from .scheduler import ScheduledSeq
+from .sequence import Sequence
+
+SLICE = 64
+
+
+@dataclass
+class PromptRows:
+    """The rows of a step's flat batch whose logits score a prompt token."""
+
+    index: torch.Tensor  # [R] int64, ascending
+    targets: list[int]  # the prompt token each row's logits score (the next position's)
+    ks: list[int]  # each row's top-k
+    spans: list[tuple[Sequence, int, int]]  # (sequence, first position, rows), in row order
+
+
+def prompt_rows(batch: list[tuple[ScheduledSeq, list]]) -> PromptRows | None:
+    """The rows of ``batch`` (packed in its order, ``num_new_tokens`` each, as the runner packs it)
+    at positions ``0 .. num_prompt_tokens - 2`` of sequences asking for prompt log-probabilities;
+    None when there are none."""
+    rows: list[int] = []
+    targets: list[int] = []
+    ks: list[int] = []
+    spans = []
+    t = 0
+    for s, _ in batch:
+        seq, start = s.seq, s.seq.num_computed_tokens
+        k = seq.params.prompt_logprobs
+        end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+        if k is not None and end > start:
+            rows.extend(range(t, t + end - start))
+            targets.extend(seq.prompt_token_ids[start + 1 : end + 1])
+            ks.extend([k] * (end - start))
+            spans.append((seq, start, end - start))
+        t += s.num_new_tokens
+    return PromptRows(torch.tensor(rows, dtype=torch.long), targets, ks, spans) if rows else None
+
+
+Scored = list[tuple[Sequence, int, list[dict[int, float]], list[int]]]
+
+
+def score(model, hidden: torch.Tensor, rows: PromptRows) -> Scored:
+    """Each span's entries from the hidden states at ``rows.index`` (pre-norm, ``[R, hidden]``):
+    ``(sequence, first position, [{token: log-probability}], [rank of the prompt's token])``, one
+    entry a position; rank 1 is the most likely token."""
+    entries: list[dict[int, float]] = []
+    ranks: list[int] = []
+    for i in range(0, len(rows.targets), SLICE):
+        logits = model.compute_logits(hidden[i : i + SLICE]).cpu()
+        targets = rows.targets[i : i + SLICE]
+        entries += top_logprobs(logits, targets, rows.ks[i : i + SLICE])
+        own = logits.gather(1, torch.tensor(targets)[:, None])
+        ranks += ((logits > own).sum(1) + 1).tolist()
+    out, at = [], 0
+    for seq, start, n in rows.spans:
+        out.append((seq, start, entries[at : at + n], ranks[at : at + n]))
+        at += n
+    return out
+
+
+def record(scored: Scored) -> None:
+    """Append a step's entries to each sequence's ``prompt_logprobs`` and ``prompt_ranks`` (a
+    prompt computed again from its start, after a preemption, starts its lists again)."""
+    for seq, start, entries, ranks in scored:
+        if start == 0 or seq.prompt_logprobs is None:
+            seq.prompt_logprobs, seq.prompt_ranks = [None], [None]
+        del seq.prompt_logprobs[start + 1 :], seq.prompt_ranks[start + 1 :]
+        seq.prompt_logprobs.extend(entries)
+        seq.prompt_ranks.extend(ranks)
