@@ -251,6 +251,26 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_as_lm_eval_asks(server, tok
     idle(server)
 
 
+def test_lm_eval_loglikelihood_requests_match_transformers(server, tokenizer, hf_model):
+    """lm-evaluation-harness's ``local-completions`` request (token-id prompts, ``echo``, ``logprobs``
+    1, ``max_tokens`` 1) and its reading of the answer (the continuation's ``token_logprobs``, the
+    generated last one left out) give transformers' log-likelihoods on the same weights."""
+    import torch
+
+    ctx = tokenizer.encode("Question: what is the capital of France? Answer:", add_special_tokens=False)
+    prompts = [ctx + tokenizer.encode(c, add_special_tokens=False) for c in (" Paris", " a small town in Peru")]
+    body = {"prompt": prompts, "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": True}
+    r = httpx.post(server.url + C, json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    for choice, ids in zip(sorted(r.json()["choices"], key=lambda ch: ch["index"]), prompts):
+        got = sum(choice["logprobs"]["token_logprobs"][len(ctx):-1])
+        with torch.no_grad():
+            lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].float(), dim=-1)
+        want = sum(float(lp[i - 1, ids[i]]) for i in range(len(ctx), len(ids)))
+        assert len(choice["logprobs"]["token_logprobs"]) == len(ids) + 1 and abs(got - want) < 1e-3, (got, want)
+    idle(server)
+
+
 def test_echo_with_a_completion_whole_and_streamed(server):
     prompt = unique("One, two, three,")
     c = client(server)
