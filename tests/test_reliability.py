@@ -102,7 +102,7 @@ BAD: list[tuple[str, str, object]] = [
     ("seed-huge", C, {"prompt": "x", "seed": 2**70}), ("stop-empty", C, {"prompt": "x", "stop": ""}),
     ("stop-list-empty-string", C, {"prompt": "x", "stop": ["a", ""]}), ("stop-too-many", C, {"prompt": "x", "stop": ["s"] * 20}),
     ("stop-int", C, {"prompt": "x", "stop": 5}), ("stop-token-negative", C, {"prompt": "x", "stop_token_ids": [-1]}),
-    ("logprobs-21", C, {"prompt": "x", "logprobs": 21}), ("max-tokens-0", C, {"prompt": "x", "max_tokens": 0}),
+    ("logprobs-21", C, {"prompt": "x", "logprobs": 21}), ("prompt-logprobs-negative", C, {"prompt": "x", "prompt_logprobs": -1}),
     ("suffix", C, {"prompt": "x", "suffix": "y"}), ("presence-penalty-3", C, {"prompt": "x", "presence_penalty": 3}),
     ("logit-bias-not-an-id", C, {"prompt": "x", "logit_bias": {"a": 5}}),
     ("logit-bias-out-of-vocab", C, {"prompt": "x", "logit_bias": {"99999999": 5}}),
