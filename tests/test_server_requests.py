@@ -75,6 +75,7 @@ def test_sdk_extras_and_unknown_fields_are_accepted(server):
 @pytest.mark.parametrize("body,field", [
     ({"prompt": "x", "prompt_logprobs": 21}, "prompt_logprobs"),
     ({"prompt": "x", "priority": 3}, "priority"),
+    ({"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
     ({"prompt": "x", "use_beam_search": True}, "use_beam_search"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "response_format": {"type": "json_schema"}}, "json_schema.schema"),
@@ -300,6 +301,22 @@ def test_prompt_logprobs_in_chat_and_with_n(server):
     both = complete(server, unique("Colours:"), max_tokens=2, n=2, echo=True, prompt_logprobs=1)
     a, b = both["choices"]
     assert a["prompt_logprobs"] == b["prompt_logprobs"] and a["text"][:10] == b["text"][:10]
+    idle(server)
+
+
+def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer):
+    ids = tokenizer.encode(unique("one two three four five six seven eight nine ten"), add_special_tokens=False)
+    cut = complete(server, ids, max_tokens=4, truncate_prompt_tokens=5, echo=True)
+    tail = complete(server, ids[-5:], max_tokens=4)
+    assert cut["usage"]["prompt_tokens"] == 5
+    assert cut["choices"][0]["text"] == tokenizer.decode(ids[-5:]) + tail["choices"][0]["text"]
+    text = tokenizer.decode(ids)
+    assert complete(server, text, max_tokens=1, truncate_prompt_tokens=100)["usage"]["prompt_tokens"] == len(ids)
+    for bad in (0, -2):
+        r = httpx.post(server.url + C, json={"prompt": "x", "truncate_prompt_tokens": bad}, timeout=60)
+        assert r.status_code == 400 and "truncate_prompt_tokens" in r.json()["error"]["message"]
+    r = httpx.post(server.url + C, json={"prompt": "x", "segments": ["a"], "truncate_prompt_tokens": 3}, timeout=60)
+    assert r.status_code == 400 and "segments" in r.json()["error"]["message"]
     idle(server)
 
 

@@ -180,6 +180,24 @@ def test_shared_public_shares_only_the_public_head(shared_public):
     assert cached(shared_public, "key-b", marked + "B asks something else") == 0, "not declared by B: salted"
 
 
+def test_a_truncated_prompt_has_no_public_head_left(shared_public, tokenizer):
+    """vLLM's truncate_prompt_tokens cuts the prompt's head: the public head is found in what is
+    left, so a prompt cut into its public part shares nothing (its blocks are salted)."""
+    ids = tokenizer.encode(PUBLIC_TEXT + " A private note about invoice 5120.", add_special_tokens=False)
+    body = {"prompt": ids, "max_tokens": 1, "truncate_prompt_tokens": len(ids) - 3}
+
+    def usage(key: str, salt: str | None = None) -> dict:
+        r = httpx.post(shared_public.url + "/v1/completions", headers={"Authorization": f"Bearer {key}"},
+                       json={**body, **({"cache_salt": salt} if salt else {})}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]
+
+    first = usage("key-a")
+    assert first["prompt_tokens"] == len(ids) - 3
+    assert usage("key-a")["prompt_tokens_details"]["cached_tokens"] > 0  # A's own namespace
+    assert usage("key-b", "probe-truncated")["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 def test_shared_mode_audit_detects_the_leak(servers):
     auditor = Auditor(servers["shared"].url, "key-a", "key-b", suffix=2, seed=1)
     (res,) = auditor.run([32], probes=8, order_pairs=0)

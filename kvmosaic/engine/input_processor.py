@@ -76,14 +76,22 @@ class InputProcessor:
             return None, list(prompt), salt
         raise ValueError("a prompt must be a string, a list of token ids, or a dict with 'prompt'")
 
-    def process(self, prompt: PromptInput, cache_salt: str | None = None) -> ProcessedPrompt:
+    def process(self, prompt: PromptInput, cache_salt: str | None = None,
+                truncate: int | None = None) -> ProcessedPrompt:
         """Parse, tokenise and validate; ``cache_salt`` (when given) overrides the prompt's.
+        ``truncate`` (vLLM's ``truncate_prompt_tokens``): keep the prompt's last ``truncate``
+        tokens (-1: the context's length); the text is then dropped (it no longer matches the ids).
         Raises ValueError with a message for the caller on bad input."""
         if isinstance(prompt, ProcessedPrompt):
             return prompt
         segmented = self.segmented(prompt)
+        if segmented is not None and truncate is not None:
+            raise ValueError("truncate_prompt_tokens cannot cut a prompt with segments")
         text, ids, salt = self.tokenize(segmented or prompt)
         salt = cache_salt if cache_salt is not None else salt
+        keep = self.max_model_len if truncate == -1 else truncate
+        if keep is not None and len(ids) > keep:
+            text, ids = None, ids[-keep:]
         if not ids:
             raise ValueError("the prompt is empty")
         if any(t < 0 or t >= self.vocab_size for t in ids):

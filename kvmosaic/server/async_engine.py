@@ -193,14 +193,16 @@ class AsyncEngine:
         make_params: Callable[[int], SamplingParams],
         cache_salt: str | None = None,
         tenant: str | None = None,
+        truncate: int | None = None,
     ) -> list[RequestStream]:
         """As :meth:`add`, for ``n`` samples of the prompt: one stream per sample, in choice
         order (the engine forks samples 1..n-1 once the prompt is computed; their request ids
-        are ``LLMEngine.child_request_ids``). Abort every stream's request to cancel it."""
+        are ``LLMEngine.child_request_ids``). Abort every stream's request to cancel it.
+        ``truncate``: ``InputProcessor.process``'s."""
         loop = asyncio.get_running_loop()
         arrival = time.perf_counter()
         rid = f"req-{uuid.uuid4().hex}"
-        processed = await asyncio.to_thread(self.engine.inputs.process, prompt, cache_salt)
+        processed = await asyncio.to_thread(self.engine.inputs.process, prompt, cache_salt, truncate)
         params = make_params(len(processed.prompt_token_ids))
         grammar = None
         if params.json_schema is not None:  # compiled here, not on the engine thread

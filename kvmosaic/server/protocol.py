@@ -4,8 +4,7 @@ Strict on purpose: a field of the wrong type is an error, never coerced (``"5"``
 An unknown field is ignored and named in one log line per request (vLLM's rule, so the
 extras that SDKs send do not break clients; :func:`ignored_fields` finds them, nested ones
 included). Known fields this server cannot honour (``suffix``, ``best_of`` other than ``n``,
-``priority``, ``use_beam_search``,
-``truncate_prompt_tokens``) are accepted only at their neutral value, and a 400 naming the
+``priority``, ``use_beam_search``) are accepted only at their neutral value, and a 400 naming the
 field otherwise. (A misspelt ``cache_salt`` is therefore ignored, with that log line; to keep
 tenants apart without trusting the body, derive salts from API keys, server/tenancy.py.) Known fields that change nothing
 here (``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``, ``user``) are accepted.
@@ -181,7 +180,8 @@ class SamplingFields(StrictModel):
     # Known, supported only at their neutral value (a 400 naming the field otherwise).
     priority: int = 0
     use_beam_search: bool = False
-    truncate_prompt_tokens: int | None = None
+    # vLLM's: keep the prompt's last k tokens (-1: the context's length) (engine/input_processor.py)
+    truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     response_format: ResponseFormat | None = None
 
     @field_validator("stop", mode="before")
@@ -196,13 +196,14 @@ class SamplingFields(StrictModel):
     def _supported(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        for name, neutral in (("priority", 0), ("use_beam_search", False),
-                              ("truncate_prompt_tokens", None)):
+        for name, neutral in (("priority", 0), ("use_beam_search", False)):
             if getattr(self, name) != neutral:
                 raise ValueError(f"{name} is not supported by this server (only {json.dumps(neutral)})")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 9):
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), not {_short(key)}")
+        if self.truncate_prompt_tokens == 0:
+            raise ValueError("truncate_prompt_tokens must be -1 (the context's length) or at least 1")
         if isinstance(self.stop, str) and not self.stop or isinstance(self.stop, list) and not all(self.stop):
             raise ValueError("stop strings must not be empty")
         return self

@@ -249,7 +249,7 @@ class OpenAIServing:
         try:
             for prompt in prompts:
                 prompt, psalt = await self.tenants.resolve(self.engine.engine, req, prompt, salt)  # shared-public head
-                streams += await self.engine.add_samples(prompt, make_params, psalt, tenant)
+                streams += await self.engine.add_samples(prompt, make_params, psalt, tenant, req.truncate_prompt_tokens)
         except ValueError as e:
             abort_all()
             raise APIError(400, str(e), prompt_param) from None

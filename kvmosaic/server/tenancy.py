@@ -232,7 +232,7 @@ class TenantPolicy:
     def _resolve_sync(self, engine, req, prompt, salt):
         from dataclasses import replace
 
-        processed = engine.inputs.process(prompt, None)
+        processed = engine.inputs.process(prompt, None, req.truncate_prompt_tokens)  # public only if still the head
         marked = self._marked_tokens(engine, req, prompt)
         n = self.public_blocks(processed.prompt_token_ids, marked)
         return replace(processed, cache_salt=salt, public_blocks=n), None
