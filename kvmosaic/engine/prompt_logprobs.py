@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from .sampler import top_logprobs
 from .scheduler import ScheduledSeq
 from .sequence import Sequence
 
@@ -64,16 +63,31 @@ def score(model, hidden: torch.Tensor, rows: PromptRows) -> Scored:
     entries: list[dict[int, float]] = []
     ranks: list[int] = []
     for i in range(0, len(rows.targets), SLICE):
-        logits = model.compute_logits(hidden[i : i + SLICE]).cpu()
-        targets = rows.targets[i : i + SLICE]
-        entries += top_logprobs(logits, targets, rows.ks[i : i + SLICE])
-        own = logits.gather(1, torch.tensor(targets)[:, None])
-        ranks += ((logits > own).sum(1) + 1).tolist()
+        lp = log_probs(model.compute_logits(hidden[i : i + SLICE]).cpu())
+        targets = torch.tensor(rows.targets[i : i + SLICE])
+        own = lp.gather(1, targets[:, None])
+        ranks += ((lp > own).sum(1) + 1).tolist()
+        ks = rows.ks[i : i + SLICE]
+        top_vals, top_ids = lp.topk(max(ks), dim=-1)
+        for t, o, ids, vals, kr in zip(targets.tolist(), own[:, 0].tolist(), top_ids.tolist(), top_vals.tolist(), ks):
+            entry = dict(zip(ids[:kr], vals[:kr]))
+            entry[t] = o
+            entries.append(entry)
     out, at = [], 0
     for seq, start, n in rows.spans:
         out.append((seq, start, entries[at : at + n], ranks[at : at + n]))
         at += n
     return out
+
+
+def log_probs(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities of float32 logits rows, as ``sampler.top_logprobs`` takes them (JSON has no
+    NaN or infinity: an impossible token gets vLLM's -9999.0)."""
+    lp = torch.log_softmax(logits, dim=-1)
+    if bool(torch.isfinite(lp).all()):
+        return lp
+    lp = torch.log_softmax(torch.nan_to_num(logits, nan=float("-inf")), dim=-1)
+    return torch.nan_to_num(lp, nan=-9999.0, posinf=0.0, neginf=-9999.0)
 
 
 def record(scored: Scored) -> None:
