@@ -11,9 +11,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
+    from .engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams, StructuredOutputs
 
-__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "EngineConfig", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 __version__ = "0.1.0"
 
 

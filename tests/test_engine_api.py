@@ -203,3 +203,25 @@ def test_slot_usage_counts_shared_blocks_once():
         eng.step()
     st = eng.get_stats()
     assert (st.kv_slots_allocated, st.kv_slots_used) == (0, 0)
+
+
+def test_structured_outputs_in_process():
+    """``SamplingParams.structured_outputs`` (vLLM's): a choice and a regex, sampled hot; a regex
+    llguidance refuses is a ValueError before anything is queued."""
+    pytest.importorskip("llguidance")
+    import re
+
+    from kvmosaic import StructuredOutputs
+
+    llm = make_llm()
+    pick = SamplingParams(max_tokens=16, temperature=1.0, seed=1, n=4,
+                          structured_outputs=StructuredOutputs(choice=["red", "green", "blue"]))
+    assert {o.text for o in llm.generate(["Colour:"], pick)} <= {"red", "green", "blue"}
+    number = SamplingParams(max_tokens=16, temperature=1.0, seed=2, structured_outputs=StructuredOutputs(regex=r"[1-9][0-9]{2}"))
+    out = llm.generate(["Number:"], number)[0]
+    assert re.fullmatch(r"[1-9][0-9]{2}", out.text) and out.finish_reason == "stop"
+    with pytest.raises(ValueError, match="regex"):
+        llm.generate(["x"], SamplingParams(structured_outputs=StructuredOutputs(regex="[0-9")))
+    assert llm.engine.pool.num_used_blocks == 0 and not llm.engine.has_unfinished_requests()
+    with pytest.raises(ValueError, match="exactly one"):
+        StructuredOutputs(regex="a", choice=["a"])

@@ -304,6 +304,33 @@ def test_prompt_logprobs_in_chat_and_with_n(server):
     idle(server)
 
 
+def test_return_token_ids_whole_and_streamed(server, tokenizer):
+    """vLLM's ``return_token_ids``: the generated ids beside the text and the prompt's ids; streamed,
+    each chunk's new ids, the prompt's in the first chunk (chat: beside the choices)."""
+    prompt = unique("Count: one, two,")
+    whole = complete(server, prompt, max_tokens=6, return_token_ids=True)
+    ch = whole["choices"][0]
+    assert ch["prompt_token_ids"] == tokenizer.encode(prompt, add_special_tokens=False)
+    assert len(ch["token_ids"]) == whole["usage"]["completion_tokens"] and tokenizer.decode(ch["token_ids"]) == ch["text"]
+    with httpx.stream("POST", server.url + C, json={"prompt": prompt, "max_tokens": 6, "temperature": 0,
+                                                    "return_token_ids": True, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == ch["prompt_token_ids"]
+    assert all("prompt_token_ids" not in x["choices"][0] for x in chunks[1:])
+    assert [t for x in chunks for t in x["choices"][0]["token_ids"]] == ch["token_ids"]
+    chat = httpx.post(server.url + CHAT, json={"messages": USER, "max_tokens": 4, "temperature": 0,
+                                               "return_token_ids": True}, timeout=120).json()
+    assert len(chat["prompt_token_ids"]) == chat["usage"]["prompt_tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    with httpx.stream("POST", server.url + CHAT, json={"messages": USER, "max_tokens": 4, "temperature": 0,
+                                                       "return_token_ids": True, "stream": True}, timeout=120) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    firsts = [x for x in chunks if "prompt_token_ids" in x]
+    assert len(firsts) == 1 and firsts[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for x in chunks for t in x["choices"][0].get("token_ids", [])] == chat["choices"][0]["token_ids"]
+    idle(server)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer):
     ids = tokenizer.encode(unique("one two three four five six seven eight nine ten"), add_special_tokens=False)
     cut = complete(server, ids, max_tokens=4, truncate_prompt_tokens=5, echo=True)
@@ -341,6 +368,36 @@ def test_json_schema_outputs_are_valid_every_time(server):
             jsonschema.validate(json.loads(ch.message.content), PERSON)
             valid += 1
     assert valid == 50
+    idle(server)
+
+
+def test_structured_outputs_choice_regex_and_grammar(server):
+    """vLLM's ``structured_outputs``: sampled hot, every output is one of the choices, matches the
+    regex, parses by the grammar; a bad regex or grammar, two constraints, or one beside
+    response_format is a 400 naming the field."""
+    pytest.importorskip("llguidance")
+    import re
+
+    def outputs(constraint: dict, **kw) -> list[tuple[str, str]]:
+        r = httpx.post(server.url + C, json={"prompt": "Answer:", "n": 8, "max_tokens": 24, "temperature": 1.0,
+                                             "seed": 3, "structured_outputs": constraint, **kw}, timeout=300)
+        assert r.status_code == 200, r.text
+        return [(ch["text"], ch["finish_reason"]) for ch in r.json()["choices"]]
+
+    choices = ["yes", "no", "it depends on the weather"]
+    assert all(text in choices and why == "stop" for text, why in outputs({"choice": choices}))
+    date = r"20[0-9]{2}-(0[1-9]|1[0-2])-[0-3][0-9]"
+    assert all(re.fullmatch(date, text) and why == "stop" for text, why in outputs({"regex": date}))
+    sums = 'start: num (" + " num)*\nnum: /[1-9][0-9]?/'
+    for text, why in outputs({"grammar": sums}, max_tokens=40):
+        assert re.fullmatch(r"[1-9][0-9]?( \+ [1-9][0-9]?)*", text) if why == "stop" else why == "length", text
+    for body, field in (({"regex": "[0-9"}, "regex"), ({"grammar": "start: nowhere"}, "grammar"),
+                        ({"regex": "a", "choice": ["a"]}, "exactly one"), ({"structural_tag": "x"}, "structural_tag")):
+        r = httpx.post(server.url + C, json={"prompt": "x", "structured_outputs": body}, timeout=60)
+        assert r.status_code == 400 and field in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + CHAT, json={"messages": USER, "structured_outputs": {"choice": ["a"]},
+                                             "response_format": {"type": "json_object"}}, timeout=60)
+    assert r.status_code == 400 and "give one of them" in r.json()["error"]["message"]
     idle(server)
 
 

@@ -14,11 +14,11 @@ if TYPE_CHECKING:
     from .config import EngineConfig
     from .llm import LLM
     from .llm_engine import LLMEngine, RequestOutput
-    from .sampling_params import SamplingParams
+    from .sampling_params import SamplingParams, StructuredOutputs
 
-__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams"]
+__all__ = ["EngineConfig", "LLM", "LLMEngine", "RequestOutput", "SamplingParams", "StructuredOutputs"]
 _MODULES = {"EngineConfig": ".config", "LLM": ".llm", "LLMEngine": ".llm_engine", "RequestOutput": ".llm_engine",
-            "SamplingParams": ".sampling_params"}
+            "SamplingParams": ".sampling_params", "StructuredOutputs": ".sampling_params"}
 
 
 def __getattr__(name: str) -> Any:

@@ -154,7 +154,7 @@ class LLMEngine:
     ) -> Sequence:
         """Queue a prompt the :attr:`inputs` processor already tokenised and validated;
         ``tenant`` names who sent it, for fair share (engine/fair_share.py); ``grammar``: the
-        matcher for ``params.json_schema``, compiled beforehand (``grammars.matcher``, off the
+        matcher for ``params.grammar``, compiled beforehand (``grammars.matcher``, off the
         engine thread), or None to compile it here; ``arrival_time``: when the request reached
         the server (``time.perf_counter``; default now), where its queue time and TTFT start."""
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -169,8 +169,8 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is out of the vocabulary "
                              f"(ids must be in [0, {vocab}))")
-        if grammar is None and params.json_schema is not None:
-            grammar = self.grammars.matcher(params.json_schema)
+        if grammar is None and params.grammar is not None:
+            grammar = self.grammars.matcher(params.grammar)
         seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params,
                        processed.cache_salt, adapter_id, priority, public_blocks=processed.public_blocks,
                        tenant=tenant)

@@ -12,6 +12,29 @@ SAMPLING_EPS = 1e-5
 MAX_N = 64
 
 
+@dataclass(frozen=True)
+class StructuredOutputs:
+    """vLLM's ``structured_outputs``: the output follows exactly one of a JSON schema (``json``), any
+    JSON object (``json_object``), a regular expression (``regex``, Rust's regex syntax), one of
+    the strings in ``choice``, or a ``grammar`` (Lark, llguidance's dialect) (engine/structured.py)."""
+
+    json: dict | str | None = None
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def __post_init__(self) -> None:
+        given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if getattr(self, k) is not None]
+        _check(len(given) == 1, "structured_outputs takes exactly one of json, regex, choice, grammar and "
+                                f"json_object; got {', '.join(given) or 'none'}")
+        if self.choice is not None:
+            object.__setattr__(self, "choice", tuple(self.choice))
+            _check(len(self.choice) > 0 and all(isinstance(c, str) and c for c in self.choice),
+                   "structured_outputs.choice must be non-empty strings")
+        _check(self.json_object is None or self.json_object is True, "structured_outputs.json_object must be true")
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop.
@@ -60,8 +83,10 @@ class SamplingParams:
     # from the cache: its whole prompt is computed.
     prompt_logprobs: int | None = None
     # Structured output (engine/structured.py): the output is a JSON document of this schema
-    # (``{"type": "object"}``: any JSON object). None: free text.
+    # (``{"type": "object"}``: any JSON object), or follows ``structured_outputs`` (vLLM's: a
+    # regex, a choice, a grammar too). At most one of the two; None: free text.
     json_schema: dict | str | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -97,6 +122,15 @@ class SamplingParams:
                "logit_bias maps token ids to values in [-100, 100]")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _check(self.json_schema is None or self.structured_outputs is None,
+               "give json_schema or structured_outputs, not both")
+
+    @property
+    def grammar(self) -> StructuredOutputs | None:
+        """What the output must follow (engine/structured.py), or None for free text."""
+        if self.json_schema is not None:
+            return StructuredOutputs(json=self.json_schema)
+        return self.structured_outputs
 
     @property
     def processes_logits(self) -> bool:

@@ -1,4 +1,5 @@
-"""Structured output: JSON (any object, or one matching a JSON schema) by a token grammar.
+"""Structured output by a token grammar: JSON (any object, or one matching a JSON schema), and
+vLLM's ``structured_outputs``: a regular expression, one of a list of strings, a Lark grammar.
 
 The grammar library is llguidance (the ``structured`` extra; CPU, Rust): a per-request
 ``LLMatcher`` follows the tokens sampled so far and gives, before each sample, the bitmask of
@@ -27,7 +28,9 @@ from typing import Any
 
 import torch
 
-MISSING = ("structured output (response_format json_object / json_schema) needs llguidance: "
+from .sampling_params import StructuredOutputs
+
+MISSING = ("structured output (response_format, structured_outputs) needs llguidance: "
            "pip install 'kvmosaic[structured]'")
 
 
@@ -40,36 +43,50 @@ def available() -> bool:
 
 
 class GrammarFactory:
-    """Compiles JSON-schema grammars into fresh matchers for one tokenizer."""
+    """Compiles grammars (``StructuredOutputs``) into fresh matchers for one tokenizer."""
 
     def __init__(self, tokenizer: Any, vocab_size: int) -> None:
         self._hf, self.vocab_size = tokenizer, vocab_size
         self._tokenizer = None
         self._lock = threading.Lock()
 
-    def matcher(self, schema: dict | str) -> Any:
-        """A matcher at the start of a document of ``schema`` (``{"type": "object"}``: any
-        JSON object). Raises ValueError for a schema llguidance cannot compile. Thread-safe:
-        the server compiles on a worker thread, so that neither the tokenizer's conversion
-        (once, ~0.4 s) nor a large schema's compilation stalls the engine's steps."""
+    def matcher(self, spec: StructuredOutputs | dict | str) -> Any:
+        """A matcher at the start of an output that follows ``spec`` (a JSON schema given alone is
+        ``StructuredOutputs(json=...)``; ``{"type": "object"}``: any JSON object). Raises ValueError
+        for what llguidance cannot compile. Thread-safe: the server compiles on a worker thread,
+        so that neither the tokenizer's conversion (once, ~0.4 s) nor a large grammar's
+        compilation stalls the engine's steps."""
         try:
             import llguidance
             import llguidance.hf
         except ImportError:
             raise ValueError(MISSING) from None
+        spec = spec if isinstance(spec, StructuredOutputs) else StructuredOutputs(json=spec)
         with self._lock:
             if self._tokenizer is None:
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
-        try:
-            grammar = llguidance.LLMatcher.grammar_from_json_schema(
-                schema if isinstance(schema, str) else json.dumps(schema),
-                defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
-        except ValueError as e:
-            raise ValueError(f"response_format: the JSON schema is not valid: {e}") from None
+        what, grammar = _grammar(llguidance.LLMatcher, spec)
         m = llguidance.LLMatcher(self._tokenizer, grammar, log_level=0)
         if m.is_error():
-            raise ValueError(f"response_format: the JSON schema cannot be used: {m.get_error()}")
+            raise ValueError(f"{what} cannot be used: {m.get_error()}")
         return m
+
+
+def _grammar(lib: Any, spec: StructuredOutputs) -> tuple[str, str]:
+    """(what it is, for messages; llguidance's grammar of it)."""
+    if spec.regex is not None:
+        return "structured_outputs: the regex", lib.grammar_from_regex(spec.regex)
+    if spec.choice is not None:  # one rule, each choice a literal (JSON string escapes are Lark's)
+        return "structured_outputs: the choice", lib.grammar_from_lark("start: " + " | ".join(map(json.dumps, spec.choice)))
+    if spec.grammar is not None:
+        return "structured_outputs: the grammar", lib.grammar_from_lark(spec.grammar)
+    schema = {"type": "object"} if spec.json_object else spec.json
+    try:
+        return "the JSON schema", lib.grammar_from_json_schema(
+            schema if isinstance(schema, str) else json.dumps(schema),
+            defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+    except ValueError as e:
+        raise ValueError(f"the JSON schema is not valid: {e}") from None
 
 
 _BYTE_BITS = ((torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1).bool()  # byte -> its 8 bits, LSB first

@@ -205,8 +205,8 @@ class AsyncEngine:
         processed = await asyncio.to_thread(self.engine.inputs.process, prompt, cache_salt, truncate)
         params = make_params(len(processed.prompt_token_ids))
         grammar = None
-        if params.json_schema is not None:  # compiled here, not on the engine thread
-            grammar = await asyncio.to_thread(self.engine.grammars.matcher, params.json_schema)
+        if params.grammar is not None:  # compiled here, not on the engine thread
+            grammar = await asyncio.to_thread(self.engine.grammars.matcher, params.grammar)
         streams = [RequestStream(i, loop) for i in (rid, *LLMEngine.child_request_ids(rid, params.n))]
 
         def add(engine: LLMEngine) -> None:

@@ -73,10 +73,13 @@ def prompt_logprobs(out: RequestOutput, decode: Decode) -> list[dict | None] | N
 
 
 def completion_choice(index: int, out: RequestOutput, echo: bool, logprobs: int | None, decode: Decode,
-                      decode_ids: Callable[[list[int]], str]) -> dict:
-    """A whole completions choice (a forked sample carries its prompt's log-probabilities too)."""
+                      decode_ids: Callable[[list[int]], str], token_ids: bool = False) -> dict:
+    """A whole completions choice (a forked sample carries its prompt's log-probabilities too);
+    ``token_ids``: vLLM's ``return_token_ids``."""
     lps = R.completion_logprobs(out, 0, decode, 0) if logprobs is not None else None
     choice = R.completion_choice(index, out, lps)
+    if token_ids:
+        choice["token_ids"], choice["prompt_token_ids"] = out.token_ids, out.prompt_token_ids
     if echo:
         choice["text"] = prompt_text(out, decode_ids) + out.text
         if logprobs is not None:

@@ -30,6 +30,10 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int
     if room < 1:
         raise APIError(400, f"this model's maximum context length is {max_model_len} tokens; the prompt "
                             f"has {num_prompt}, leaving no room for a completion", prompt_param)
+    if req.structured_outputs is not None and req.response_format is not None \
+            and req.response_format.output_schema is not None:
+        raise APIError(400, "response_format and structured_outputs both constrain the output: give one of them",
+                       "structured_outputs")
     if req.echo_without_generation:  # the engine computes one token, dropped (server/echo.py)
         max_tokens = 1
     if max_tokens is not None and max_tokens > room:
@@ -47,7 +51,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int
             repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias_ids,
             min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
             prompt_logprobs=prompt_logprobs_of(req, logprobs),
-            json_schema=req.response_format.output_schema if req.response_format is not None else None)
+            json_schema=req.response_format.output_schema if req.response_format is not None else None,
+            structured_outputs=req.structured_outputs.spec if req.structured_outputs is not None else None)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 

@@ -32,6 +32,9 @@ prompts per request    64         ``/v1/completions``'s list of prompts; with ``
 ``messages``           4,096      messages per chat
 content parts          256        ``{"type": "text"}`` parts per message
 ``segments``           64         segments per prompt (``MAX_SEGMENTS``)
+``structured_outputs`` 65,536     characters of a ``regex`` or ``grammar``; ``choice``: 1,024
+                                  strings of at most 1,024 characters (a grammar compiles in
+                                  time that grows with its size, on a worker thread)
 fields per object      64         keys in any JSON object of the body; known fields are
                                   far fewer, so beyond it the object is refused in one error
                                   naming its first unknown fields and their count
@@ -54,7 +57,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from ..engine.sampling_params import MAX_N
+from ..engine.sampling_params import MAX_N, StructuredOutputs
 from .tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolList
 
 MAX_STOP_STRINGS = 16
@@ -70,6 +73,8 @@ MAX_FIELDS = 64
 MAX_PROMPTS = 64
 MAX_CHOICES = 256
 MAX_METADATA = 16
+MAX_GRAMMAR_CHARS = 1 << 16
+MAX_CHOICE_STRINGS = 1024
 NAMED_UNKNOWN = 5  # unknown fields named in the message when an object has too many fields
 
 
@@ -131,6 +136,38 @@ class ResponseFormat(StrictModel):
         return self.json_schema["schema"] if self.type == "json_schema" and self.json_schema else None
 
 
+class StructuredOutputsRequest(StrictModel):
+    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema), ``json_object``,
+    ``regex``, ``choice`` or ``grammar`` (Lark, llguidance's dialect: vLLM's ``guidance`` backend's);
+    vLLM's other options only at their defaults."""
+
+    json_: Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)] | str | None = Field(None, alias="json")
+    regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
+                      Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
+    grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
+    json_object: bool | None = None
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    whitespace_pattern: str | None = None
+    structural_tag: str | None = None
+
+    @model_validator(mode="after")
+    def _one(self):
+        for name, neutral in (("disable_any_whitespace", False), ("disable_additional_properties", False),
+                              ("whitespace_pattern", None), ("structural_tag", None)):
+            if getattr(self, name) != neutral:
+                raise ValueError(f"structured_outputs.{name} is not supported by this server (only "
+                                 f"{json.dumps(neutral)})")
+        self.spec  # noqa: B018 - exactly one constraint, checked by StructuredOutputs
+        return self
+
+    @property
+    def spec(self) -> StructuredOutputs:
+        return StructuredOutputs(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
+                                 json_object=self.json_object)
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # vLLM: usage in every chunk
@@ -160,6 +197,8 @@ class SamplingFields(StrictModel):
     # issue 23: usage.prompt_tokens_details.miss_reasons (missed prompt tokens by reason, the
     # caller's own namespace only)
     return_miss_reasons: bool = False
+    # vLLM's: the generated token ids beside the text, and the prompt's (responses.with_token_ids)
+    return_token_ids: bool | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
@@ -183,6 +222,7 @@ class SamplingFields(StrictModel):
     # vLLM's: keep the prompt's last k tokens (-1: the context's length) (engine/input_processor.py)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None  # vLLM's (server/params.py)
 
     @field_validator("stop", mode="before")
     @classmethod

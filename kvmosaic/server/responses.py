@@ -127,3 +127,13 @@ def chat_chunk(rid: str, created: int, model: str, delta: dict, finish: str | No
 
 def usage_chunk(rid: str, created: int, model: str, obj: str, usage: dict) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage}
+
+
+def with_token_ids(body: dict, out: RequestOutput, start: int, first: bool, chat: bool) -> dict:
+    """vLLM's ``return_token_ids`` in a streamed chunk (``body``, one choice): the ids generated
+    from ``start`` on, and in a choice's first chunk the prompt's (a completion's in its choice, a
+    chat's beside the choices, as vLLM places them)."""
+    body["choices"][0]["token_ids"] = out.token_ids[start:]
+    if first:
+        (body if chat else body["choices"][0])["prompt_token_ids"] = out.prompt_token_ids
+    return body

@@ -274,13 +274,18 @@ class OpenAIServing:
                     content, calls = tools.message(out.text)
                     choice["message"] = {"role": "assistant", "content": content, "tool_calls": calls}
                     choice["finish_reason"] = tool_finish(out.finish_reason, calls)
+                if req.return_token_ids:
+                    choice["token_ids"] = out.token_ids
                 choices.append(choice)
             else:
-                choices.append(E.completion_choice(i, out, req.echo, logprobs, self.decode, self.tokenizer.decode))
+                choices.append(E.completion_choice(i, out, req.echo, logprobs, self.decode, self.tokenizer.decode,
+                                                   bool(req.return_token_ids)))
         body = (R.chat_body if chat else R.completion_body)(rid, created, self.model_name, choices,
                                                            usage_of(outs, req.return_miss_reasons))
         if chat and outs[0].prompt_logprobs is not None:  # vLLM's place for it in a chat response
             body["prompt_logprobs"] = E.prompt_logprobs(outs[0], self.decode)
+        if chat and req.return_token_ids:
+            body["prompt_token_ids"] = outs[0].prompt_token_ids
         return JSONResponse(body)
 
     async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
@@ -317,6 +322,8 @@ class OpenAIServing:
         heads = [E.StreamHead(getattr(req, "echo", False), logprobs, self.decode, self.tokenizer.decode)
                  for _ in streams]
         drop = req.echo_without_generation
+        ids = bool(req.return_token_ids)
+        started = [False] * len(streams)  # a choice's first chunk with output went out
         if chat:
             for i in range(len(streams)):
                 yield sse(R.chat_chunk(rid, created, self.model_name, {"role": "assistant", "content": ""}, None,
@@ -346,6 +353,10 @@ class OpenAIServing:
                     for j, d in enumerate(deltas):
                         body = R.chat_chunk(rid, created, self.model_name, d,
                                             finish if j == len(deltas) - 1 else None, lps if j == 0 else None, i)
+                        if ids:
+                            R.with_token_ids(body, out, sent_tokens[i] if j == 0 else len(out.token_ids),
+                                             not started[i], chat)
+                            started[i] = True
                         if include_usage:
                             body["usage"] = usage_of(latest) if continuous else None
                         yield sse(body)
@@ -360,6 +371,9 @@ class OpenAIServing:
                     piece, lps, extra = heads[i].chunk(out, delta, sent_tokens[i], text.sent - len(delta))
                     body = R.completion_chunk(rid, created, self.model_name, piece, R.finish_reason(out), lps, i)
                     body["choices"][0].update(extra)
+                if ids:
+                    R.with_token_ids(body, out, sent_tokens[i], not started[i], chat)
+                    started[i] = True
                 sent_tokens[i] = len(out.token_ids)
                 if include_usage:
                     body["usage"] = usage_of(latest, req.return_miss_reasons) if continuous else None
