@@ -29,3 +29,22 @@ def test_row_maxima_equals_torch_max_on_every_kind_of_row():
     assert [x for x in best if not math.isnan(x)] == [x for x in want_best if not math.isnan(x)]
     strided = rows[:, ::2]  # a view, as a logits processor may leave
     assert row_maxima(strided)[1] == strided.max(-1).indices.tolist()
+
+
+def test_allowed_token_ids_leave_only_those_tokens_possible():
+    from types import SimpleNamespace
+
+    from kvmosaic.engine.logits_processors import apply_logits_processors
+    from kvmosaic.engine.sampling_params import SamplingParams
+
+    logits = torch.randn(3, 50)
+    rows = [SimpleNamespace(params=SamplingParams(allowed_token_ids=[3, 7, 49, 70]), prompt_token_ids=[1],
+                            output_token_ids=[]),
+            SimpleNamespace(params=SamplingParams(), prompt_token_ids=[1], output_token_ids=[]),
+            SimpleNamespace(params=SamplingParams(allowed_token_ids=[0], logit_bias={0: 2.0}), prompt_token_ids=[1],
+                            output_token_ids=[])]
+    out = apply_logits_processors(logits, rows, eos_ids=[2])
+    kept = torch.isfinite(out[0]).nonzero().squeeze(1).tolist()
+    assert kept == [3, 7, 49] and torch.equal(out[0, kept], logits[0, kept])  # 70 is past the vocabulary
+    assert torch.equal(out[1], logits[1])
+    assert torch.isfinite(out[2]).sum() == 1 and out[2, 0] == logits[2, 0] + 2.0

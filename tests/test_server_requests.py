@@ -331,6 +331,17 @@ def test_return_token_ids_whole_and_streamed(server, tokenizer):
     idle(server)
 
 
+def test_allowed_token_ids_and_tokens_as_token_ids(server, tokenizer):
+    allowed = [tokenizer.encode(w, add_special_tokens=False)[0] for w in (" cat", " dog")]
+    out = complete(server, unique("Pets:"), max_tokens=5, temperature=1.0, seed=4, allowed_token_ids=allowed,
+                   return_token_ids=True, logprobs=1, return_tokens_as_token_ids=True)["choices"][0]
+    assert out["token_ids"] and set(out["token_ids"]) <= set(allowed)
+    assert out["logprobs"]["tokens"] == [f"token_id:{t}" for t in out["token_ids"]]
+    r = httpx.post(server.url + C, json={"prompt": "x", "allowed_token_ids": [10**8]}, timeout=60)
+    assert r.status_code == 400 and "allowed_token_ids" in r.json()["error"]["message"]
+    idle(server)
+
+
 def test_truncate_prompt_tokens_keeps_the_last_tokens(server, tokenizer):
     ids = tokenizer.encode(unique("one two three four five six seven eight nine ten"), add_special_tokens=False)
     cut = complete(server, ids, max_tokens=4, truncate_prompt_tokens=5, echo=True)

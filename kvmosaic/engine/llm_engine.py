@@ -169,6 +169,9 @@ class LLMEngine:
         if params.logit_bias and max(params.logit_bias) >= vocab:
             raise ValueError(f"logit_bias: token id {max(params.logit_bias)} is out of the vocabulary "
                              f"(ids must be in [0, {vocab}))")
+        if params.allowed_token_ids and max(params.allowed_token_ids) >= vocab:
+            raise ValueError(f"allowed_token_ids: token id {max(params.allowed_token_ids)} is out of the vocabulary "
+                             f"(ids must be in [0, {vocab}))")
         if grammar is None and params.grammar is not None:
             grammar = self.grammars.matcher(params.grammar)
         seq = Sequence(request_id, processed.prompt, processed.prompt_token_ids, params,

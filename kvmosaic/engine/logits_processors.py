@@ -1,4 +1,5 @@
-"""Logits processors: penalties, ``logit_bias`` and ``min_tokens``, batched over the rows.
+"""Logits processors: penalties, ``logit_bias``, ``allowed_token_ids`` and ``min_tokens``, batched
+over the rows.
 
 vLLM's semantics (see :class:`~.sampling_params.SamplingParams`). Invariants:
 
@@ -84,6 +85,10 @@ def apply_logits_processors(logits: torch.Tensor, rows: Seq[Row], eos_ids: Itera
             ban_cols += ban
     if ban_rows:
         sub[torch.tensor(ban_rows, device=device), torch.tensor(ban_cols, device=device)] = float("-inf")
+    for j, p in enumerate(params):  # vLLM's allowed_token_ids: every other token impossible
+        if p.allowed_token_ids:
+            keep = torch.tensor([t for t in p.allowed_token_ids if t < vocab], dtype=torch.long, device=device)
+            sub[j] = torch.full_like(sub[j], float("-inf")).index_copy_(0, keep, sub[j, keep])
     out = logits.clone()
     out[todo] = sub
     return out

@@ -51,8 +51,9 @@ class SamplingParams:
     one for every token seen in the prompt or the output; ``presence_penalty`` and
     ``frequency_penalty`` (in [-2, 2]) subtract a constant, and the token's count times a
     constant, for tokens of the output only; ``logit_bias`` adds to the named tokens' logits
-    (in [-100, 100]); ``min_tokens`` forbids EOS and ``stop_token_ids`` until that many tokens
-    were generated, and stop strings match only after them (vLLM's rule). ``min_p`` (in
+    (in [-100, 100]); ``allowed_token_ids`` makes every other token impossible; ``min_tokens``
+    forbids EOS and ``stop_token_ids`` until that many tokens were generated, and stop strings
+    match only after them (vLLM's rule). ``min_p`` (in
     [0, 1]) drops tokens less likely than ``min_p`` times the most likely one (sampled
     requests only, after temperature). ``json_schema``: the output is JSON valid against it
     (``structured.py``; needs llguidance). ``skip_special_tokens=False`` keeps special tokens
@@ -76,6 +77,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_p: float = 0.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: sample only among these
     min_tokens: int = 0
     skip_special_tokens: bool = True
     # vLLM's prompt_logprobs: for every prompt token but the first, its log-probability and the
@@ -120,6 +122,11 @@ class SamplingParams:
         self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
         _check(all(t >= 0 and -100.0 <= b <= 100.0 for t, b in (self.logit_bias or {}).items()),
                "logit_bias maps token ids to values in [-100, 100]")
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            _check(len(self.allowed_token_ids) > 0 and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0
+                                                           for t in self.allowed_token_ids),
+                   "allowed_token_ids must be a non-empty list of token ids")
         _check(isinstance(self.min_tokens, int) and 0 <= self.min_tokens <= self.max_tokens,
                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _check(self.json_schema is None or self.structured_outputs is None,
@@ -136,7 +143,7 @@ class SamplingParams:
     def processes_logits(self) -> bool:
         """Whether any logits processor has work for this request (logits_processors.py)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+                or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.allowed_token_ids))
 
     @property
     def greedy(self) -> bool:

@@ -47,7 +47,7 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int
             top_p=req.top_p, top_k=req.top_k, seed=req.seed, stop=req.stop_list,
             stop_token_ids=req.stop_token_ids or [], ignore_eos=req.ignore_eos,
             include_stop_str_in_output=req.include_stop_str_in_output, logprobs=logprobs, n=req.n,
-            presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+            allowed_token_ids=req.allowed_token_ids, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
             repetition_penalty=req.repetition_penalty, min_p=req.min_p, logit_bias=req.logit_bias_ids,
             min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
             prompt_logprobs=prompt_logprobs_of(req, logprobs),

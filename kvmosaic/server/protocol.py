@@ -199,6 +199,9 @@ class SamplingFields(StrictModel):
     return_miss_reasons: bool = False
     # vLLM's: the generated token ids beside the text, and the prompt's (responses.with_token_ids)
     return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None  # vLLM's: logprobs name tokens "token_id:<id>"
+    allowed_token_ids: Annotated[list[Annotated[int, Field(ge=0)]],
+                                 Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS, fail_fast=True)] | None = None
     user: str | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0

@@ -18,6 +18,11 @@ from ..engine.output_processor import RequestOutput
 Decode = Callable[[int], str]
 
 
+def token_id_text(token_id: int) -> str:
+    """vLLM's ``return_tokens_as_token_ids`` name for a token in log-probabilities."""
+    return f"token_id:{token_id}"
+
+
 def auto_details(auto: dict | None) -> dict:
     """The auto-reuse fields of ``prompt_tokens_details`` ({} when auto reuse was off)."""
     if auto is None:

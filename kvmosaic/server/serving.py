@@ -180,6 +180,11 @@ class OpenAIServing:
     def decode(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])
 
+    def token_text(self, req: SamplingFields) -> R.Decode:
+        """How log-probabilities name a token: its text, or with vLLM's ``return_tokens_as_token_ids``
+        ``"token_id:<id>"`` (a token whose bytes are not text stays identifiable)."""
+        return R.token_id_text if req.return_tokens_as_token_ids else self.decode
+
     async def completions(self, request: Request):
         token = self.tenants.authenticate(request.headers.get("authorization"))
         req: CompletionRequest = await parse_body(request, CompletionRequest)
@@ -268,7 +273,7 @@ class OpenAIServing:
         choices = []
         for i, out in enumerate(outs):
             if chat:
-                lps = R.chat_logprobs(out, 0, self.decode, logprobs or 0) if logprobs is not None else None
+                lps = R.chat_logprobs(out, 0, self.token_text(req), logprobs or 0) if logprobs is not None else None
                 choice = R.chat_choice(i, out, lps)
                 if tools is not None:
                     content, calls = tools.message(out.text)
@@ -278,7 +283,7 @@ class OpenAIServing:
                     choice["token_ids"] = out.token_ids
                 choices.append(choice)
             else:
-                choices.append(E.completion_choice(i, out, req.echo, logprobs, self.decode, self.tokenizer.decode,
+                choices.append(E.completion_choice(i, out, req.echo, logprobs, self.token_text(req), self.tokenizer.decode,
                                                    bool(req.return_token_ids)))
         body = (R.chat_body if chat else R.completion_body)(rid, created, self.model_name, choices,
                                                            usage_of(outs, req.return_miss_reasons))
@@ -319,7 +324,8 @@ class OpenAIServing:
         parsers = [tools.stream() for _ in streams] if tools is not None else None
         sent_tokens = [0] * len(streams)
         latest: list[RequestOutput | None] = [None] * len(streams)
-        heads = [E.StreamHead(getattr(req, "echo", False), logprobs, self.decode, self.tokenizer.decode)
+        decode = self.token_text(req)
+        heads = [E.StreamHead(getattr(req, "echo", False), logprobs, decode, self.tokenizer.decode)
                  for _ in streams]
         drop = req.echo_without_generation
         ids = bool(req.return_token_ids)
@@ -347,7 +353,7 @@ class OpenAIServing:
                         deltas = [{}]
                     if not deltas:
                         continue  # held back (a tag may be starting); its logprobs go with the next chunk
-                    lps = R.chat_logprobs(out, sent_tokens[i], self.decode, logprobs or 0) \
+                    lps = R.chat_logprobs(out, sent_tokens[i], decode, logprobs or 0) \
                         if logprobs is not None else None
                     finish = tool_finish(R.finish_reason(out), p.calls)
                     for j, d in enumerate(deltas):
@@ -363,7 +369,7 @@ class OpenAIServing:
                     sent_tokens[i] = len(out.token_ids)
                     continue
                 if chat:
-                    lps = R.chat_logprobs(out, sent_tokens[i], self.decode, logprobs or 0) \
+                    lps = R.chat_logprobs(out, sent_tokens[i], decode, logprobs or 0) \
                         if logprobs is not None else None
                     body = R.chat_chunk(rid, created, self.model_name, {"content": delta} if delta else {},
                                         R.finish_reason(out), lps, i)
