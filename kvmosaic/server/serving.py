@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import logging
 import time
 import uuid
@@ -32,9 +31,10 @@ from . import responses as R
 from .async_engine import AsyncEngine, RequestFailed, RequestStream
 from .choices import merge
 from .choices import usage as usage_of
-from .errors import APIError, error_body, from_validation_error
+from .errors import APIError, from_validation_error
 from .params import sampling_params  # re-exported: callers import it from here
 from .protocol import ChatCompletionRequest, CompletionRequest, ResponseFormat, SamplingFields, ignored_fields
+from .streaming import stream_chunks
 from .tenancy import TenantPolicy
 from .tenant_limits import TenantLimits
 from .tools import ToolSession, forced_schema, template_renders_tools
@@ -121,10 +121,6 @@ class AbortOnClose(StreamingResponse):
             log.info("client %s:%s closed the connection during a stream (%s)", *client[:2], type(e).__name__)
         finally:
             self.on_close()
-
-
-def sse(data: dict | str) -> str:
-    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
 class OpenAIServing:
@@ -263,7 +259,8 @@ class OpenAIServing:
             raise
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
-            return AbortOnClose(self._stream(streams, req, rid, created, logprobs, chat, tools), abort_all)
+            return AbortOnClose(stream_chunks(streams, req, rid, created, self.model_name, logprobs, chat,
+                                              self.token_text(req), self.tokenizer.decode, tools), abort_all)
         try:
             outs = await self._collect(request, streams)
         finally:
@@ -314,83 +311,3 @@ class OpenAIServing:
         finally:
             await results.aclose()
         raise client_left(request, "while its request ran")
-
-    async def _stream(self, streams: list[RequestStream], req: SamplingFields, rid: str, created: int,
-                      logprobs: int | None, chat: bool, tools: ToolSession | None = None) -> AsyncIterator[str]:
-        opts = req.stream_options
-        include_usage = bool(opts and opts.include_usage)
-        continuous = bool(opts and opts.continuous_usage_stats)
-        texts = [R.TextDelta(req.stop_list) for _ in streams]
-        parsers = [tools.stream() for _ in streams] if tools is not None else None
-        sent_tokens = [0] * len(streams)
-        latest: list[RequestOutput | None] = [None] * len(streams)
-        decode = self.token_text(req)
-        heads = [E.StreamHead(getattr(req, "echo", False), logprobs, decode, self.tokenizer.decode)
-                 for _ in streams]
-        drop = req.echo_without_generation
-        ids = bool(req.return_token_ids)
-        started = [False] * len(streams)  # a choice's first chunk with output went out
-        if chat:
-            for i in range(len(streams)):
-                yield sse(R.chat_chunk(rid, created, self.model_name, {"role": "assistant", "content": ""}, None,
-                                       None, i))
-        results = merge(streams)
-        try:
-            async for i, out in results:
-                if drop and out.finished:
-                    out = E.without_generation(out)
-                elif drop:
-                    continue
-                latest[i] = out
-                text = texts[i]
-                delta = text.next(out.text, out.finished)
-                if not delta and not out.finished and logprobs is None:
-                    continue
-                if chat and parsers is not None:  # tool calls: the parser decides what each delta is
-                    p = parsers[i]
-                    deltas = p.feed(delta) + (p.finish() if out.finished else [])
-                    if out.finished and not deltas:
-                        deltas = [{}]
-                    if not deltas:
-                        continue  # held back (a tag may be starting); its logprobs go with the next chunk
-                    lps = R.chat_logprobs(out, sent_tokens[i], decode, logprobs or 0) \
-                        if logprobs is not None else None
-                    finish = tool_finish(R.finish_reason(out), p.calls)
-                    for j, d in enumerate(deltas):
-                        body = R.chat_chunk(rid, created, self.model_name, d,
-                                            finish if j == len(deltas) - 1 else None, lps if j == 0 else None, i)
-                        if ids:
-                            R.with_token_ids(body, out, sent_tokens[i] if j == 0 else len(out.token_ids),
-                                             not started[i], chat)
-                            started[i] = True
-                        if include_usage:
-                            body["usage"] = usage_of(latest) if continuous else None
-                        yield sse(body)
-                    sent_tokens[i] = len(out.token_ids)
-                    continue
-                if chat:
-                    lps = R.chat_logprobs(out, sent_tokens[i], decode, logprobs or 0) \
-                        if logprobs is not None else None
-                    body = R.chat_chunk(rid, created, self.model_name, {"content": delta} if delta else {},
-                                        R.finish_reason(out), lps, i)
-                else:
-                    piece, lps, extra = heads[i].chunk(out, delta, sent_tokens[i], text.sent - len(delta))
-                    body = R.completion_chunk(rid, created, self.model_name, piece, R.finish_reason(out), lps, i)
-                    body["choices"][0].update(extra)
-                if ids:
-                    R.with_token_ids(body, out, sent_tokens[i], not started[i], chat)
-                    started[i] = True
-                sent_tokens[i] = len(out.token_ids)
-                if include_usage:
-                    body["usage"] = usage_of(latest, req.return_miss_reasons) if continuous else None
-                yield sse(body)
-        except RequestFailed as e:  # an explicit error event, then [DONE]: never a silent cut
-            yield sse(error_body(e.status, e.message, code=e.reason))
-            yield sse("[DONE]")
-            return
-        finally:
-            await results.aclose()
-        if include_usage and any(o is not None for o in latest):
-            yield sse(R.usage_chunk(rid, created, self.model_name,
-                                    "chat.completion.chunk" if chat else "text_completion", usage_of(latest, req.return_miss_reasons)))
-        yield sse("[DONE]")
