@@ -48,7 +48,7 @@ from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from .sequence import Sequence
-from .stats import EngineStats, ModelInfo
+from .stats import EngineStats, ModelInfo, engine_stats
 from .structured import GrammarFactory, apply_grammars
 from .threads import DEFAULT_THREADS, ThreadBudget
 
@@ -364,35 +364,7 @@ class LLMEngine:
             self._tiers_finalizer()
 
     def get_stats(self) -> EngineStats:
-        st, size = self.cache.stats, self.cache.size_info()
-        return EngineStats(
-            prefix_cache_queries=st.queries,
-            prefix_cache_hits=st.hits,
-            prefix_cache_hit_rate=st.hit_rate,
-            kv_cache_usage=size.in_use / size.total,
-            num_blocks=size.total,
-            num_free_blocks=size.free + size.evictable,
-            num_cached_blocks=size.cached,
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_waiting_for_kv=len(self.scheduler.loading),
-            num_queued_prefill_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
-                                          for s in (*self.scheduler.waiting, *self.scheduler.running)),
-            num_preemptions=self.num_preemptions,
-            num_evictions=self.pool.num_evictions,
-            prompt_tokens=self.prompt_tokens,
-            generation_tokens=self.generation_tokens,
-            kv_bytes_per_token=self.kv.bytes_per_token,
-            num_events_dropped=self.events.num_dropped,
-            kv_tiers=self.tiers.stats() if self.tiers is not None else {},
-            lens=self.lens.snapshot(self.scheduler.running) if self.lens is not None else {},
-            kv_residency=self.pool.residency.snapshot() if self.pool.residency is not None else {},
-            **self._auto_stats(),
-            **self._slot_usage(),
-            anticipation_holds=self.scheduler.anticipation.holds,
-            anticipation_hits=self.scheduler.anticipation.hits,
-            anticipation_held_seconds=self.scheduler.anticipation.held_seconds,
-        )
+        return engine_stats(self)
 
     def kv_bytes_held(self, request_id: str) -> int:
         """Bytes of the KV pages ``request_id`` holds a reference on, every layer group (a
@@ -400,22 +372,3 @@ class LLMEngine:
         held = (self.cache.held_pages(request_id) if self.kv_layout.hybrid
                 else self.cache.block_table(request_id))
         return len(held) * self.kv.page_bytes
-
-    def _auto_stats(self) -> dict[str, int]:
-        st = self.segment_reuse.auto_stats
-        if st is None:
-            return {}
-        return {"auto_reuse_requests": st.requests, "auto_reuse_tokens": st.tokens,
-                "auto_reuse_fallbacks": st.fallbacks, "auto_reuse_repairs": st.repairs,
-                "auto_reuse_repaired_tokens": st.repaired_tokens}
-
-    def _slot_usage(self) -> dict[str, int]:
-        """Slots of the blocks running requests hold, and how many hold a computed token (a
-        shared block counts once, at its fullest): the pool's utilisation under load."""
-        bs, filled = self.pool.block_size, {}
-        for seq in self.scheduler.running:
-            held = (self.cache.held_pages(seq.request_id) if self.kv_layout.hybrid
-                    else enumerate(self.cache.block_table(seq.request_id)))
-            for i, bid in held:
-                filled[bid] = max(filled.get(bid, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
-        return {"kv_slots_allocated": len(filled) * bs, "kv_slots_used": sum(filled.values())}

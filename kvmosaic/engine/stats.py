@@ -1,5 +1,6 @@
 """What the engine reports about itself: :class:`EngineStats` (a snapshot for metrics and
-``/health``) and :class:`ModelInfo` (what names its KV). docs/ARCHITECTURE.md, "Layers"."""
+``/health``, taken by :func:`engine_stats`) and :class:`ModelInfo` (what names its KV).
+docs/ARCHITECTURE.md, "Layers"."""
 
 from __future__ import annotations
 
@@ -64,3 +65,57 @@ class ModelInfo:
     seed: bytes
     prefix_cache: str
     quantization: str | None = None  # weight-only quantization (model/quant.py); in ``fingerprint`` too
+
+
+def engine_stats(engine) -> EngineStats:
+    """A snapshot of ``engine`` (an ``LLMEngine``), taken between two steps."""
+    st, size = engine.cache.stats, engine.cache.size_info()
+    return EngineStats(
+        prefix_cache_queries=st.queries,
+        prefix_cache_hits=st.hits,
+        prefix_cache_hit_rate=st.hit_rate,
+        kv_cache_usage=size.in_use / size.total,
+        num_blocks=size.total,
+        num_free_blocks=size.free + size.evictable,
+        num_cached_blocks=size.cached,
+        num_running=len(engine.scheduler.running),
+        num_waiting=len(engine.scheduler.waiting),
+        num_waiting_for_kv=len(engine.scheduler.loading),
+        num_queued_prefill_tokens=sum(max(0, s.num_prompt_tokens - s.num_computed_tokens)
+                                      for s in (*engine.scheduler.waiting, *engine.scheduler.running)),
+        num_preemptions=engine.num_preemptions,
+        num_evictions=engine.pool.num_evictions,
+        prompt_tokens=engine.prompt_tokens,
+        generation_tokens=engine.generation_tokens,
+        kv_bytes_per_token=engine.kv.bytes_per_token,
+        num_events_dropped=engine.events.num_dropped,
+        kv_tiers=engine.tiers.stats() if engine.tiers is not None else {},
+        lens=engine.lens.snapshot(engine.scheduler.running) if engine.lens is not None else {},
+        kv_residency=engine.pool.residency.snapshot() if engine.pool.residency is not None else {},
+        **auto_reuse_stats(engine.segment_reuse.auto_stats),
+        **slot_usage(engine),
+        anticipation_holds=engine.scheduler.anticipation.holds,
+        anticipation_hits=engine.scheduler.anticipation.hits,
+        anticipation_held_seconds=engine.scheduler.anticipation.held_seconds,
+    )
+
+
+def auto_reuse_stats(st) -> dict[str, int]:
+    """Automatic segment reuse's counters (blend/auto.py), or {} when it is off."""
+    if st is None:
+        return {}
+    return {"auto_reuse_requests": st.requests, "auto_reuse_tokens": st.tokens,
+            "auto_reuse_fallbacks": st.fallbacks, "auto_reuse_repairs": st.repairs,
+            "auto_reuse_repaired_tokens": st.repaired_tokens}
+
+
+def slot_usage(engine) -> dict[str, int]:
+    """Slots of the blocks running requests hold, and how many hold a computed token (a
+    shared block counts once, at its fullest): the pool's utilisation under load."""
+    bs, filled = engine.pool.block_size, {}
+    for seq in engine.scheduler.running:
+        held = (engine.cache.held_pages(seq.request_id) if engine.kv_layout.hybrid
+                else enumerate(engine.cache.block_table(seq.request_id)))
+        for i, bid in held:
+            filled[bid] = max(filled.get(bid, 0), min(bs, max(0, seq.num_computed_tokens - i * bs)))
+    return {"kv_slots_allocated": len(filled) * bs, "kv_slots_used": sum(filled.values())}
