@@ -4,6 +4,7 @@ request queued, nothing counted) — on one process and through ``--replicas 2``
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import threading
@@ -188,3 +189,18 @@ def test_liveness_answers_while_nasty_bodies_are_processed(server):
     assert len(pings) > 5 and max(pings) < 1.0, f"longest /health/live: {max(pings):.3f} s over {len(pings)} pings"
     for health in server.pool_healths():
         assert health["kv"]["num_used_blocks"] == 0 and health["requests"] == {"running": 0, "waiting": 0}
+
+
+def test_vllm_request_fields_are_served_the_same_through_replicas(server):
+    """What one server answers, the replicas' front does too: echo with max_tokens 0 and logprobs,
+    structured_outputs, return_token_ids and truncate_prompt_tokens (issue 20's parity)."""
+    body = {"prompt": "The capital of France is", "max_tokens": 0, "echo": True, "logprobs": 1}
+    ch = httpx.post(server.url + C, json=body, timeout=120).json()["choices"][0]
+    assert ch["text"] == body["prompt"] and ch["logprobs"]["token_logprobs"][0] is None
+    assert len(ch["prompt_logprobs"]) == len(ch["logprobs"]["tokens"])
+    if importlib.util.find_spec("llguidance") is not None:  # the structured extra (scripts/setup.sh installs it)
+        r = httpx.post(server.url + C, json={"prompt": "Answer:", "max_tokens": 5, "temperature": 1.0, "seed": 1,
+                                             "structured_outputs": {"choice": ["yes", "no"]}, "return_token_ids": True,
+                                             "truncate_prompt_tokens": 2}, timeout=120).json()
+        assert r["choices"][0]["text"] in ("yes", "no") and len(r["choices"][0]["prompt_token_ids"]) == 2
+    assert all(h["kv"]["num_used_blocks"] == 0 for h in server.pool_healths())
