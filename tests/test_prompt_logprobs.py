@@ -53,6 +53,11 @@ def test_chunked_prompt_scores_the_same_and_reads_no_cache():
     assert engine.pool.num_used_blocks == 0
 
 
+def test_a_one_token_prompt_has_one_empty_entry():
+    out = make_llm(block_size=16).generate([{"prompt_token_ids": [1]}], _params())[0]
+    assert out.prompt_logprobs == [None] and out.prompt_ranks == [None]
+
+
 def test_forked_samples_carry_the_prompt_logprobs():
     outs = make_llm(block_size=16).generate([{"prompt_token_ids": PROMPT}], _params(1, n=3))
     assert len(outs) == 3 and all(o.prompt_logprobs == outs[0].prompt_logprobs for o in outs)

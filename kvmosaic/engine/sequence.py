@@ -90,6 +90,8 @@ class Sequence:
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:  # the first token's entry; a one-token prompt has no other
+            self.prompt_logprobs, self.prompt_ranks = [None], [None]
 
     @property
     def num_prompt_tokens(self) -> int:
