@@ -11,7 +11,9 @@ way it leaves no block in use.
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
+import json
 import logging
 import time
 import uuid
@@ -19,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import TypeVar
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 from starlette.types import Receive, Scope, Send
@@ -260,17 +262,27 @@ class OpenAIServing:
         rid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         if req.stream:
             return AbortOnClose(stream_chunks(streams, req, rid, created, self.model_name, logprobs, chat,
-                                              self.token_text(req), self.tokenizer.decode, tools), abort_all)
+                                              functools.cache(self.token_text(req)), self.tokenizer.decode, tools),
+                                abort_all)
         try:
             outs = await self._collect(request, streams)
         finally:
             abort_all()  # every request finished: only the tenant's count is released
+        # Built and serialised on a worker thread: a body of log-probabilities over thousands of
+        # tokens takes a second of Python, which on the event loop would hold every other stream.
+        body = await asyncio.to_thread(self._whole_body, outs, req, rid, created, logprobs, chat, tools)
+        return Response(body, media_type="application/json")
+
+    def _whole_body(self, outs: list[RequestOutput], req: SamplingFields, rid: str, created: int,
+                    logprobs: int | None, chat: bool, tools: ToolSession | None) -> bytes:
+        """A non-streamed response's JSON."""
         if req.echo_without_generation:
             outs = [E.without_generation(o) for o in outs]
+        decode = functools.cache(self.token_text(req))  # a token's text once per response
         choices = []
         for i, out in enumerate(outs):
             if chat:
-                lps = R.chat_logprobs(out, 0, self.token_text(req), logprobs or 0) if logprobs is not None else None
+                lps = R.chat_logprobs(out, 0, decode, logprobs or 0) if logprobs is not None else None
                 choice = R.chat_choice(i, out, lps)
                 if tools is not None:
                     content, calls = tools.message(out.text)
@@ -280,15 +292,15 @@ class OpenAIServing:
                     choice["token_ids"] = out.token_ids
                 choices.append(choice)
             else:
-                choices.append(E.completion_choice(i, out, req.echo, logprobs, self.token_text(req), self.tokenizer.decode,
+                choices.append(E.completion_choice(i, out, req.echo, logprobs, decode, self.tokenizer.decode,
                                                    bool(req.return_token_ids)))
         body = (R.chat_body if chat else R.completion_body)(rid, created, self.model_name, choices,
                                                            usage_of(outs, req.return_miss_reasons))
         if chat and outs[0].prompt_logprobs is not None:  # vLLM's place for it in a chat response
-            body["prompt_logprobs"] = E.prompt_logprobs(outs[0], self.decode)
+            body["prompt_logprobs"] = E.prompt_logprobs(outs[0], decode)
         if chat and req.return_token_ids:
             body["prompt_token_ids"] = outs[0].prompt_token_ids
-        return JSONResponse(body)
+        return json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
 
     async def _collect(self, request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
         """The final output of every stream, in order; aborts them all if the client goes away

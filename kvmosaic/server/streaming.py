@@ -9,6 +9,7 @@ and ``[DONE]``, never a silent cut; the usage chunk, when asked for, comes last,
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator, Callable
 
@@ -23,6 +24,8 @@ from .protocol import SamplingFields
 from .responses import Decode
 from .tools import ToolSession
 from .tools import finish_reason as tool_finish
+
+BIG_TEXT = 1 << 16  # characters of a chunk's text past which it is serialised off the event loop
 
 
 def sse(data: dict | str) -> str:
@@ -91,7 +94,12 @@ async def stream_chunks(streams: list[RequestStream], req: SamplingFields, rid: 
                 body = R.chat_chunk(rid, created, model, {"content": delta} if delta else {},
                                     R.finish_reason(out), lps, i)
             else:
-                piece, lps, extra = heads[i].chunk(out, delta, sent_tokens[i], text.sent - len(delta))
+                args = (out, delta, sent_tokens[i], text.sent - len(delta))
+                if heads[i].offset is None and (heads[i].echo or out.prompt_logprobs is not None):
+                    # the prompt's part: thousands of tokens' entries are a second of Python, off the loop
+                    piece, lps, extra = await asyncio.to_thread(heads[i].chunk, *args)
+                else:
+                    piece, lps, extra = heads[i].chunk(*args)
                 body = R.completion_chunk(rid, created, model, piece, R.finish_reason(out), lps, i)
                 body["choices"][0].update(extra)
             if ids:
@@ -100,7 +108,8 @@ async def stream_chunks(streams: list[RequestStream], req: SamplingFields, rid: 
             sent_tokens[i] = len(out.token_ids)
             if include_usage:
                 body["usage"] = usage_of(latest, req.return_miss_reasons) if continuous else None
-            yield sse(body)
+            heavy = len(body["choices"][0].get("text") or "") > BIG_TEXT or "prompt_logprobs" in body["choices"][0]
+            yield (await asyncio.to_thread(sse, body)) if heavy else sse(body)
     except RequestFailed as e:  # an explicit error event, then [DONE]: never a silent cut
         yield sse(error_body(e.status, e.message, code=e.reason))
         yield sse("[DONE]")
