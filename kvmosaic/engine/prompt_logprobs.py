@@ -41,10 +41,10 @@ def prompt_rows(batch: list[tuple[ScheduledSeq, list]]) -> PromptRows | None:
     spans = []
     t = 0
     for s, _ in batch:
-        seq, start = s.seq, s.seq.num_computed_tokens
-        k = seq.params.prompt_logprobs
-        end = min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
-        if k is not None and end > start:
+        seq, k = s.seq, s.seq.params.prompt_logprobs
+        start = seq.num_computed_tokens
+        end = start if k is None else min(start + s.num_new_tokens, seq.num_prompt_tokens - 1)
+        if end > start:
             rows.extend(range(t, t + end - start))
             targets.extend(seq.prompt_token_ids[start + 1 : end + 1])
             ks.extend([k] * (end - start))

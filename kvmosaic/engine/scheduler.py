@@ -278,7 +278,7 @@ class Scheduler:
             if inflight and seq.reads_cache and self._next_block_in_flight(seq, match, inflight):
                 continue  # another sequence is computing it: hit it at a later step
             external = 0
-            if self.connector is not None and seq.reads_cache:
+            if self.connector is not None:  # nothing to load past an empty match
                 try:
                     external, load_async = self.connector.get_num_new_matched_tokens(seq, match)
                 except Exception as exc:  # noqa: BLE001 - a tier load fails this request alone

@@ -62,4 +62,4 @@ def prompt_logprobs_of(req: SamplingFields, logprobs: int | None) -> int | None:
     the completion."""
     if req.prompt_logprobs is not None:
         return req.prompt_logprobs
-    return logprobs if getattr(req, "echo", False) else None
+    return logprobs if req.echoes else None

@@ -55,13 +55,14 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
-from ..engine.sampling_params import MAX_N, StructuredOutputs
+from ..engine.sampling_params import MAX_N
+from .output_formats import ResponseFormat, StructuredOutputsRequest
+from .strict import MAX_FIELDS, MAX_STOP_CHARS, StrictModel, short_repr
 from .tools import MAX_TOOLS, NamedToolChoice, ToolChoice, ToolList
 
 MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIAS = 1024
 MAX_PROMPT_TOKEN_IDS = 1 << 17
@@ -69,37 +70,9 @@ MAX_MESSAGES = 4096
 MAX_CONTENT_PARTS = 256
 MAX_SALT_CHARS = 256
 MAX_SEGMENTS = 64
-MAX_FIELDS = 64
 MAX_PROMPTS = 64
 MAX_CHOICES = 256
 MAX_METADATA = 16
-MAX_GRAMMAR_CHARS = 1 << 16
-MAX_CHOICE_STRINGS = 1024
-NAMED_UNKNOWN = 5  # unknown fields named in the message when an object has too many fields
-
-
-def _short(name: object, limit: int = 64) -> str:
-    text = repr(name)
-    return text if len(text) <= limit else text[:limit - 4] + "...'"
-
-
-class StrictModel(BaseModel):
-    """Types are strict; unknown keys are kept aside (``model_extra``) and ignored."""
-
-    model_config = ConfigDict(extra="allow", strict=True)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _bounded_fields(cls, data):
-        """An object with more keys than ``MAX_FIELDS`` is refused whole, in one error (the
-        alternative, one ``extra_forbidden`` error per key, costs per key)."""
-        if isinstance(data, dict) and len(data) > MAX_FIELDS:
-            unknown = [k for k in data if k not in cls.model_fields]
-            named = ", ".join(_short(k) for k in unknown[:NAMED_UNKNOWN])
-            more = f" and {len(unknown) - NAMED_UNKNOWN:,} more" if len(unknown) > NAMED_UNKNOWN else ""
-            raise ValueError(f"the object has {len(data):,} fields; at most {MAX_FIELDS} are accepted "
-                             f"(unknown fields: {named}{more})")
-        return data
 
 
 def ignored_fields(model: BaseModel, where: str = "") -> list[str]:
@@ -113,59 +86,6 @@ def ignored_fields(model: BaseModel, where: str = "") -> list[str]:
             if isinstance(item, BaseModel):
                 out += ignored_fields(item, f"{where}{name}." + ("" if i is None else f"{i}."))
     return out
-
-
-class ResponseFormat(StrictModel):
-    """OpenAI's ``response_format``: ``text``, ``json_object`` (any JSON object) or
-    ``json_schema`` (``{"json_schema": {"name": ..., "schema": {...}}}``)."""
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)] | None = None
-
-    @model_validator(mode="after")
-    def _schema_given(self):
-        if self.type == "json_schema" and not isinstance((self.json_schema or {}).get("schema"), dict):
-            raise ValueError("response_format of type json_schema needs json_schema.schema (a JSON schema object)")
-        return self
-
-    @property
-    def output_schema(self) -> dict | None:
-        """The JSON schema the output must match; None: free text."""
-        if self.type == "json_object":
-            return {"type": "object"}
-        return self.json_schema["schema"] if self.type == "json_schema" and self.json_schema else None
-
-
-class StructuredOutputsRequest(StrictModel):
-    """vLLM's ``structured_outputs``: exactly one of ``json`` (a JSON schema), ``json_object``,
-    ``regex``, ``choice`` or ``grammar`` (Lark, llguidance's dialect: vLLM's ``guidance`` backend's);
-    vLLM's other options only at their defaults."""
-
-    json_: Annotated[dict[str, Any], Field(max_length=MAX_FIELDS)] | str | None = Field(None, alias="json")
-    regex: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
-    choice: Annotated[list[Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]],
-                      Field(min_length=1, max_length=MAX_CHOICE_STRINGS)] | None = None
-    grammar: Annotated[str, Field(max_length=MAX_GRAMMAR_CHARS)] | None = None
-    json_object: bool | None = None
-    disable_any_whitespace: bool = False
-    disable_additional_properties: bool = False
-    whitespace_pattern: str | None = None
-    structural_tag: str | None = None
-
-    @model_validator(mode="after")
-    def _one(self):
-        for name, neutral in (("disable_any_whitespace", False), ("disable_additional_properties", False),
-                              ("whitespace_pattern", None), ("structural_tag", None)):
-            if getattr(self, name) != neutral:
-                raise ValueError(f"structured_outputs.{name} is not supported by this server (only "
-                                 f"{json.dumps(neutral)})")
-        self.spec  # noqa: B018 - exactly one constraint, checked by StructuredOutputs
-        return self
-
-    @property
-    def spec(self) -> StructuredOutputs:
-        return StructuredOutputs(json=self.json_, regex=self.regex, choice=self.choice, grammar=self.grammar,
-                                 json_object=self.json_object)
 
 
 class StreamOptions(StrictModel):
@@ -244,7 +164,7 @@ class SamplingFields(StrictModel):
                 raise ValueError(f"{name} is not supported by this server (only {json.dumps(neutral)})")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 9):
-                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), not {_short(key)}")
+                raise ValueError(f"logit_bias keys must be token ids (non-negative integers), not {short_repr(key)}")
         if self.truncate_prompt_tokens == 0:
             raise ValueError("truncate_prompt_tokens must be -1 (the context's length) or at least 1")
         if isinstance(self.stop, str) and not self.stop or isinstance(self.stop, list) and not all(self.stop):
@@ -252,9 +172,14 @@ class SamplingFields(StrictModel):
         return self
 
     @property
+    def echoes(self) -> bool:
+        """Whether the answer begins with the prompt (the completions API's ``echo``)."""
+        return False
+
+    @property
     def echo_without_generation(self) -> bool:
-        """``echo`` with ``max_tokens`` 0 (completions): the prompt alone, scored."""
-        return bool(getattr(self, "echo", False)) and getattr(self, "max_tokens", None) == 0
+        """``echo`` with ``max_tokens`` 0: the prompt alone, scored."""
+        return False
 
     @property
     def logit_bias_ids(self) -> dict[int, float] | None:
@@ -281,6 +206,14 @@ class CompletionRequest(SamplingFields):
     # server's --segment-reuse on, each segment's KV is reused wherever it stood before.
     segments: Annotated[list[str], Field(min_length=1, max_length=MAX_SEGMENTS)] | None = None
     segment_suffix: str = ""
+
+    @property
+    def echoes(self) -> bool:
+        return self.echo
+
+    @property
+    def echo_without_generation(self) -> bool:
+        return self.echo and self.max_tokens == 0
 
     @field_validator("max_tokens")
     @classmethod

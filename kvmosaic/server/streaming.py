@@ -45,7 +45,7 @@ async def stream_chunks(streams: list[RequestStream], req: SamplingFields, rid: 
     parsers = [tools.stream() for _ in streams] if tools is not None else None
     sent_tokens = [0] * len(streams)
     latest: list[RequestOutput | None] = [None] * len(streams)
-    heads = [E.StreamHead(getattr(req, "echo", False), logprobs, decode, decode_ids)
+    heads = [E.StreamHead(req.echoes, logprobs, decode, decode_ids)
              for _ in streams]
     drop = req.echo_without_generation
     ids = bool(req.return_token_ids)
