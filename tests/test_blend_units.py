@@ -10,7 +10,7 @@ from kvmosaic.blend.select import attention_weights, choose, deviation, drift_es
 from kvmosaic.cache.hashing import CacheNamespace
 from kvmosaic.cache.segments import SegmentIndex, segment_key, segment_seed
 from kvmosaic.model.families import Rope
-from kvmosaic.model.llama import RopeAt, RotaryEmbedding, apply_rope
+from kvmosaic.model.rotary import RopeAt, RotaryEmbedding, apply_rope
 
 HEAD_DIM, THETA = 64, 100000.0
 

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from kvmosaic.model import kernels
-from kvmosaic.model.llama import RotaryEmbedding, apply_rope
+from kvmosaic.model.rotary import RotaryEmbedding, apply_rope
 
 pytestmark = pytest.mark.skipif(not kernels.elementwise_available(torch.zeros(1)),
                                 reason="the CPU kernels are not built here (no C compiler)")

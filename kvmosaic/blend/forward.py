@@ -26,7 +26,8 @@ import torch
 
 from ..kv.paged import PagedKVCache
 from ..model.attention import AttentionMetadata, PrefillSpan, paged_attention
-from ..model.llama import LlamaForCausalLM, RopeAt
+from ..model.llama import LlamaForCausalLM, QueryRows
+from ..model.rotary import RopeAt
 from .select import deviation
 
 # (scores [R], attention [R]: the first logits position's attention to each at the check layer)
@@ -107,9 +108,13 @@ def blend_forward(
         x = x[sel]
     meta = _meta(region_slots[sel], pos[sel], ctx_slots)
     rope = rope.select(sel)
-    for layer in layers[first:]:
-        x = layer.hidden(x, rope, kv, meta)
     where = torch.searchsorted(pos[sel], logits_positions.to(dev))
+    read = torch.unique(where)
+    for layer in layers[first:]:
+        rows = QueryRows.of(meta, read, x.shape[0]) if layer is layers[-1] else None
+        x = layer.hidden(x, rope, kv, meta, rows)
+        if rows is not None:  # x holds the logits rows alone
+            where = torch.searchsorted(read, where)
     logits = model.compute_logits(x.index_select(0, where))
     recomputed = torch.zeros(n, dtype=torch.bool, device=dev)
     recomputed[pos[sel]] = True

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from ..model.llama import apply_rope
+from ..model.rotary import apply_rope
 
 
 def shift_tables(delta: torch.Tensor | int, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

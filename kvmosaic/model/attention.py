@@ -24,6 +24,7 @@ of a batched decode step's attention time on a CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -98,6 +99,40 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     prefills: list[PrefillSpan] = field(default_factory=list)
     decode: DecodeBatch | None = None
+
+    def select_queries(self, rows: torch.Tensor) -> AttentionMetadata | None:
+        """This step's attention for the flat batch's ``rows`` alone (ascending, distinct), as the
+        queries of a batch of those rows: each query keeps its keys and its position, so its result
+        is the same bits. A span's rows that are its context's last stay a causal span; others get
+        their positions (and a mask for torch's path). None where a decode row is not among
+        ``rows`` (the caller then runs every row): decodes are attended as one batch."""
+        d = self.decode
+        rows_here = rows.to(self.slot_mapping.device)
+        if d is not None:
+            index = torch.searchsorted(rows_here, d.token_index)
+            if int(index.max()) >= rows.numel() or not torch.equal(rows_here[index], d.token_index):
+                return None
+            d = dataclasses.replace(d, token_index=index)
+        bounds = torch.searchsorted(rows.cpu(), torch.tensor([b for s in self.prefills for b in (s.start, s.end)]))
+        prefills = []
+        for span, lo, hi in zip(self.prefills, bounds[0::2].tolist(), bounds[1::2].tolist()):
+            if lo < hi:
+                prefills.append(_span_rows(span, rows_here[lo:hi] - span.start, lo, hi))
+        return AttentionMetadata(self.slot_mapping.index_select(0, rows_here), prefills, d)
+
+
+def _span_rows(span: PrefillSpan, local: torch.Tensor, start: int, end: int) -> PrefillSpan:
+    """``span``'s queries ``local`` (ascending offsets into it) as a span at ``start:end``."""
+    q_len, n = span.end - span.start, span.ctx_slots.numel()
+    k = end - start
+    if span.mask is None and span.positions is None:
+        if int(local[0]) == q_len - k:  # its last k rows: still the context's last tokens
+            return PrefillSpan(start, end, span.ctx_slots, None)
+        positions = local + (n - q_len)
+        mask = torch.arange(n, device=local.device)[None, :] <= positions[:, None]
+        return PrefillSpan(start, end, span.ctx_slots, mask, positions)
+    positions = None if span.positions is None else span.positions[local]
+    return PrefillSpan(start, end, span.ctx_slots, None if span.mask is None else span.mask[local], positions)
 
 
 def paged_attention(

@@ -17,7 +17,8 @@ import torch.nn.functional as F
 
 from .attention import AttentionMetadata, PagedKV
 from .config import ModelConfig
-from .llama import DecoderLayer, RMSNorm, RopeAt
+from .llama import DecoderLayer, QueryRows, RMSNorm
+from .rotary import RopeAt
 
 
 class GemmaRMSNorm(RMSNorm):
@@ -37,11 +38,14 @@ class GemmaDecoderLayer(DecoderLayer):
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeAt, kv: PagedKV,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, None]:
+                meta: AttentionMetadata, rows: QueryRows | None = None) -> tuple[torch.Tensor, None]:
         """The layer on the hidden state ``x + residual``; returns the next hidden state whole
-        (its norms sit after the adds, so there is no residual to carry apart)."""
+        (its norms sit after the adds, so there is no residual to carry apart). ``rows`` as in
+        :meth:`DecoderLayer.forward`."""
         hidden = x if residual is None else x + residual
         q = self.qkv_stored(self.input_layernorm(hidden), rope, kv, meta.slot_mapping)
+        if rows is not None:
+            q, hidden, meta = q.index_select(0, rows.index), hidden.index_select(0, rows.index), rows.meta
         return self.finish(hidden, self.attend(q, kv, meta)), None
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:

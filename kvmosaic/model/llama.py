@@ -14,6 +14,7 @@ torch operators otherwise, with the same roundings).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -23,9 +24,8 @@ from torch import nn
 from . import kernels
 from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
-from .families import Rope
 from .fused_decode import FusedDecode
-from .rope_scaling import inv_freq as rope_inv_freq
+from .rotary import RopeAt, RotaryEmbedding
 from .softcap import softcap_paged_attention
 from .window import GroupedMetadata, layer_view
 
@@ -51,93 +51,23 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables in float32 for every position up to ``max_positions``. The sin table is
-    stored with the first half negated, so that :func:`apply_rope` rotates with one ``roll``.
-    Past ``MAX_TABLE`` positions (128k-context models: a table would take hundreds of MB) the
-    step's rows are computed from the frequencies instead, by the same float32 products.
-    Tables span the rotating dimensions only (``rope_scaling.rotary_dim``: all but for partial
-    rotary) and carry yarn's and longrope's ``attention_factor`` (transformers multiplies cos and
-    sin by it)."""
+@dataclass(frozen=True)
+class QueryRows:
+    """The rows of a step whose layer output is read (``index``, ascending, into the flat batch)
+    and the step's attention for them alone (:meth:`AttentionMetadata.select_queries`): the last
+    layer runs past its K/V write for these rows only (docs/ARCHITECTURE.md, invariant 11)."""
 
-    MAX_TABLE = 32768
-
-    def __init__(self, head_dim: int, theta: float | Rope, max_positions: int) -> None:
-        super().__init__()
-        rope = theta if isinstance(theta, Rope) else Rope(float(theta))
-        self.attention_factor = rope.attention_factor
-        self.tabled = max_positions <= self.MAX_TABLE
-        # computed on the CPU (and moved by .to) even when the model is built on the meta device,
-        # where a first arange costs ~1 s (torch loads its symbolic shapes); build_model recomputes them
-        with torch.device("cpu"):
-            inv_freq = rope_inv_freq(rope, head_dim, max_positions)
-            half = inv_freq.numel()
-            sign = torch.cat((-torch.ones(half), torch.ones(half)))
-            self.register_buffer("inv_freq", inv_freq, persistent=False)
-            self.register_buffer("sign", sign, persistent=False)
-            cos, signed_sin = self._rows(torch.arange(max_positions if self.tabled else 0))
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("signed_sin", signed_sin, persistent=False)
-
-    def _rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        emb = (positions.to(torch.float32)[:, None] * self.inv_freq[None, :]).repeat(1, 2)
-        if self.attention_factor != 1.0:
-            return emb.cos() * self.attention_factor, emb.sin() * self.attention_factor * self.sign
-        return emb.cos(), emb.sin() * self.sign
-
-    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin at ``positions``, float32 ``[T, D]``."""
-        return (self.cos[positions], self.signed_sin[positions]) if self.tabled else self._rows(positions)
-
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.rows(positions)
-        return cos.to(dtype)[:, None, :], sin.to(dtype)[:, None, :]
-
-
-class RopeAt:
-    """The rotary tables at one step's positions (float32 ``[T, D]``), applied to q and k."""
-
-    def __init__(self, cos: torch.Tensor, signed_sin: torch.Tensor) -> None:
-        self.cos, self.signed_sin = cos, signed_sin
+    index: torch.Tensor
+    meta: AttentionMetadata
 
     @classmethod
-    def at(cls, rotary: RotaryEmbedding, positions: torch.Tensor) -> RopeAt:
-        return cls(*rotary.rows(positions))
-
-    def select(self, index: torch.Tensor) -> RopeAt:
-        return RopeAt(self.cos[index], self.signed_sin[index])
-
-    def apply_(self, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x`` ``[T, heads, D]``; in place where the kernel runs (heads contiguous).
-        With partial rotary (tables narrower than D) the first dimensions rotate, the rest pass."""
-        rd = self.cos.shape[-1]
-        if rd != x.shape[-1]:
-            rot = apply_rope(x[..., :rd], self.cos.to(x.dtype)[:, None, :], self.signed_sin.to(x.dtype)[:, None, :])
-            return torch.cat((rot, x[..., rd:]), dim=-1)
-        if kernels.elementwise_available(x) and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-            return kernels.rope_(x, self.cos, self.signed_sin)
-        return apply_rope(x, self.cos.to(x.dtype)[:, None, :], self.signed_sin.to(x.dtype)[:, None, :])
-
-    def apply_and_store_(self, qkv: torch.Tensor, heads: int, kv_heads: int, k_pool: torch.Tensor,
-                         v_pool: torch.Tensor, slots: torch.Tensor) -> bool:
-        """Rotate the q and k heads of the fused QKV rows ``qkv`` in place and write each token's
-        rotated k and its v to ``slots`` of the pools, in one pass (``kernels.rope_store``); False,
-        with nothing done, where that kernel does not serve (then :meth:`apply_` and the pool's
-        ``write``: the same values)."""
-        return (self.cos.shape[-1] * (heads + 2 * kv_heads) == qkv.shape[-1] and kernels.elementwise_available(qkv)
-                and kernels.rope_store(qkv, heads, kv_heads, self.cos, self.signed_sin, slots, k_pool, v_pool))
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """transformers' rotation of each (first half, second half) pair (blend/rope.py uses it)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` as in transformers, bit for bit: ``rotate_half(x)`` is
-    ``cat(-x2, x1)``, which is ``roll(x, D/2)`` with the first half's sign moved into the table."""
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+    def of(cls, meta: AttentionMetadata, index: torch.Tensor | None, num_rows: int) -> QueryRows | None:
+        """``index``'s rows where they are fewer than the step's and the metadata can be cut to
+        them; None (every row runs) otherwise."""
+        if index is None or index.numel() >= num_rows:
+            return None
+        cut = meta.select_queries(index)
+        return None if cut is None else cls(index, cut)
 
 
 class DecoderLayer(nn.Module):
@@ -209,22 +139,27 @@ class DecoderLayer(nn.Module):
         return paged_attention(q, k, v, meta, self.scale)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None, rope: RopeAt, kv: PagedKV,
-                meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor | None]:
+                meta: AttentionMetadata, rows: QueryRows | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """One layer over the residual stream. The hidden state is ``x + residual`` (``x`` alone
         when ``residual`` is None, e.g. at the first layer); ``residual`` is updated in place.
-        Returns (sublayer output, stream), whose sum is the layer's hidden state."""
+        Returns (sublayer output, stream), whose sum is the layer's hidden state. With ``rows``,
+        every row's K and V are written but the rest of the layer runs for those rows only, and
+        only theirs are returned (the last layer, where no other row's output is read)."""
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h = self.input_layernorm(x, residual)
         q = self.qkv_stored(h, rope, kv, meta.slot_mapping)
+        if rows is not None:
+            q, residual, meta = q.index_select(0, rows.index), residual.index_select(0, rows.index), rows.meta
         h = self.post_attention_layernorm(self.o_proj(self.attend(q, kv, meta).flatten(1)), residual)
         return self.mlp(h), residual
 
-    def hidden(self, x: torch.Tensor, rope: RopeAt, kv: PagedKV, meta: AttentionMetadata) -> torch.Tensor:
+    def hidden(self, x: torch.Tensor, rope: RopeAt, kv: PagedKV, meta: AttentionMetadata,
+               rows: QueryRows | None = None) -> torch.Tensor:
         """The layer from a hidden state to the next (``x`` left as it is): the layer-by-layer
         API of segment reuse (``blend/forward.py``)."""
-        out, residual = self(x.clone(), None, rope, kv, meta)
+        out, residual = self(x.clone(), None, rope, kv, meta, rows)
         return out if residual is None else out + residual
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
@@ -233,6 +168,13 @@ class DecoderLayer(nn.Module):
         residual = x.clone()
         h = self.post_attention_layernorm(self.o_proj(attn.flatten(1)), residual)
         return residual + self.mlp(h)
+
+
+def _rows_read(logits_index: torch.Tensor | None, hidden_index: torch.Tensor | None) -> torch.Tensor | None:
+    """The rows whose last-layer output the step reads, ascending; None: every row."""
+    if logits_index is None:
+        return None
+    return torch.unique(logits_index if hidden_index is None else torch.cat((logits_index, hidden_index)))
 
 
 def decoder_layer(cfg: ModelConfig, layer_idx: int) -> DecoderLayer:
@@ -359,6 +301,7 @@ class LlamaForCausalLM(nn.Module):
         bands: dict = {}  # band masks, shared by the groups (positions only)
         residual = None
         grouped = isinstance(meta, GroupedMetadata)
+        read = _rows_read(logits_index, hidden_index)
         for layer in self.layers:
             m = meta.for_layer(layer.layer_idx) if grouped else meta
             if layer.window is not None or layer.softcap is not None:
@@ -366,7 +309,11 @@ class LlamaForCausalLM(nn.Module):
                 if key not in views:
                     views[key] = layer_view(m, layer.window, bands)
                 m = views[key]
-            x, residual = layer(x, residual, ropes[layer.rope_index], kv, m)
+            rows = QueryRows.of(m, read, x.shape[0]) if layer is self.layers[-1] else None
+            x, residual = layer(x, residual, ropes[layer.rope_index], kv, m, rows)
+            if rows is not None:  # x holds the rows read, in order
+                logits_index, hidden_index = (None if i is None else torch.searchsorted(read, i)
+                                              for i in (logits_index, hidden_index))
         if residual is not None:
             x = x + residual
         hidden = None if hidden_index is None else x.index_select(0, hidden_index)
