@@ -30,7 +30,7 @@ ENGINE_FLAGS = {
     "enable_prefix_caching": ["--no-enable-prefix-caching"], "prefix_cache": ["--prefix-cache", "radix"],
     "kv_layout": ["--kv-layout", "full"],
     "hash_algo": ["--hash-algo", "xxh3_128"], "verify_tokens": ["--verify-tokens"],
-    "scheduling_policy": ["--scheduling-policy", "lpm"], "eviction_policy": ["--eviction-policy", "lru"],
+    "scheduling_policy": ["--scheduling-policy", "lpm"], "eviction_policy": ["--eviction-policy", "priority"],
     "num_threads": ["--num-threads", "3"], "adaptive_threads": ["--no-adaptive-threads"],
     "segment_reuse": ["--segment-reuse", "auto"], "auto_reuse_max_drift": ["--auto-reuse-max-drift", "0.07"],
     "blend_ratio": ["--blend-ratio", "0.3"], "blend_threshold": ["--blend-threshold", "0.7"],
@@ -79,9 +79,9 @@ def test_a_replica_gets_the_config_one_server_gets(argv):
     assert replica == single
     defaults = asdict(EngineArgs())
     same = [k for k, v in single.items() if v == defaults[k]]
-    # every option travelled: each differs from its default, but for eviction (lru is the only
-    # policy) and enable_prefix_caching (the explicit --prefix-cache radix wins over it)
-    assert same == ["enable_prefix_caching", "eviction_policy"], same
+    # every option travelled: each differs from its default, but enable_prefix_caching (the
+    # explicit --prefix-cache radix wins over it)
+    assert same == ["enable_prefix_caching"], same
 
 
 def test_replicas_without_events_flag_still_publish_for_the_router(argv):
@@ -120,3 +120,10 @@ def test_events_carry_no_token_ids_where_tenants_exist_unless_opted_in():
     assert ServerArgs(api_key=["A"], kv_events_token_ids=True).events_carry_token_ids
     assert ServerArgs(api_key=["A"], kv_events_curve_secret_key="k" * 40).events_carry_token_ids
     assert not ServerArgs(kv_events_no_token_ids=True).events_carry_token_ids
+
+
+def test_the_policy_choices_are_the_engines():
+    from kvmosaic.cache.eviction import POLICIES
+    from kvmosaic.engine.arg_utils import EVICTION_POLICIES
+
+    assert EVICTION_POLICIES == POLICIES

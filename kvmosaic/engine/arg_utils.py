@@ -29,6 +29,8 @@ SEGMENT_REUSE_MODES = ("off", "shift", "blend", "auto")
 HASH_ALGOS = ("sha256", "sha256_cbor", "xxh3_128")
 QUANTIZATION_CHOICES = ("int8", "gguf")  # model.quant.QUANTIZATIONS
 USAGE_CONTEXTS = ("llm", "server")
+SCHEDULING_POLICIES = ("fcfs", "lpm", "priority")
+EVICTION_POLICIES = ("lru", "lfu", "slru", "priority")  # cache.eviction.POLICIES
 
 SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b)?\s*$", re.I)
 
@@ -166,8 +168,13 @@ class EngineArgs(CliArgs):
     hash_algo: str = option("sha256", "the block hash: sha256 (fixed-width ids), sha256_cbor (vLLM's) or "
                                       "xxh3_128", choices=HASH_ALGOS)
     verify_tokens: bool = option(False, "compare tokens on every hash hit (guards against collisions)")
-    scheduling_policy: str = option("fcfs", "fcfs, or lpm (longest cached prefix first)", choices=("fcfs", "lpm"))
-    eviction_policy: str = option("lru", "which cached block to evict first", choices=("lru",))
+    scheduling_policy: str = option("fcfs", "fcfs; lpm (longest cached prefix first); or priority: the more "
+                                            "important request first, preempting a less important one "
+                                            "(engine/priority.py; the server reads vLLM's request field "
+                                            "priority, lower first)", choices=SCHEDULING_POLICIES)
+    eviction_policy: str = option("lru", "which cached block to evict first: lru, lfu, slru, or priority (the "
+                                         "blocks of the least important requests; cache/eviction.py)",
+                                  choices=EVICTION_POLICIES)
     enable_kv_events: bool = option(False, cli=False)  # the server sets it: --kv-events-endpoint, replicas
     num_threads: int | None = option(None, "torch threads (default: torch's; a replica: its CPUs)", type=int)
     adaptive_threads: bool = option(True, "CPU: run each step on the cores other processes leave free, at most "

@@ -11,7 +11,7 @@ from ..model.config import DTYPES
 from ..model.families import check_model
 from ..model.hub import resolve_model
 from ..model.quant import QUANTIZATIONS
-from .arg_utils import PREFIX_CACHES, USAGE_CONTEXTS, EngineArgs
+from .arg_utils import PREFIX_CACHES, SCHEDULING_POLICIES, USAGE_CONTEXTS, EngineArgs
 from .pace import SERVING_STALL_MS
 
 
@@ -57,8 +57,9 @@ class EngineConfig(EngineArgs):
                              f"and {self.fair_share_anticipation_ms}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {QUANTIZATIONS} or None, got {self.quantization!r}")
-        if self.scheduling_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"scheduling_policy must be 'fcfs' or 'lpm', got {self.scheduling_policy!r}")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {self.scheduling_policy!r}")
         from ..blend.blender import BlendOptions  # validates the segment reuse fields
 
         BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer,

@@ -44,8 +44,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Run every prompt to completion, batched together; outputs in prompt order, with a
         prompt's ``n > 1`` samples one after another (``RequestOutput.index`` 0..n-1).
-        ``priority`` (one, or one per prompt) ranks cached KV under the "priority" eviction
-        policy: a higher value is kept longer."""
+        ``priority`` (one, or one per prompt): higher is more important (SGLang's convention;
+        vLLM's ``LLM`` reads it the other way): scheduled first under ``scheduling_policy=
+        "priority"`` (engine/priority.py), its cached KV kept longer under the "priority" eviction
+        policy."""
         if isinstance(prompts, (str, dict)) or (
             isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
         ):

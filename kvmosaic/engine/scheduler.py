@@ -5,7 +5,9 @@ Each step spends a token budget (``max_num_batched_tokens``):
 1. running sequences first, oldest first: one token for a decode, the next chunk for a
    prefill in progress. When the pool has no block for one, the newest running sequence is
    preempted (its blocks freed, its progress reset; it goes back to the head of the queue
-   and recomputes, usually hitting its own cached blocks);
+   and recomputes, usually hitting its own cached blocks); under policy "priority" the
+   order is the requests' importance, and the least important is preempted
+   (engine/priority.py);
 2. then waiting sequences are admitted while budget, sequence slots and blocks last, each
    starting after its cached prefix. New prefills thus join running decodes.
 
@@ -13,22 +15,17 @@ While any request is decoding, the prompt tokens of a step are limited further t
 engine computes in ``max_decode_stall_ms`` (engine/pace.py): a long prompt is cut into steps
 short enough that no stream waits longer than that for its next token.
 
-One computation per shared prefix in flight: a waiting sequence whose next uncached block is
-being computed right now by another sequence (running, or admitted earlier in this step) is
-passed over until that block is committed, then hits it instead of computing it again — a
-burst of requests sharing a system prompt computes it once. It waits only while the other
-sequence's prefill goes on, so nobody starves (tests: test_scheduler_inflight.py).
+One computation per shared prefix in flight (engine/inflight.py): a waiting sequence whose next
+uncached block another sequence is computing right now waits for it, then hits it.
 
 A sequence's KV for the scheduled tokens is written by the model runner; only after that
 does :meth:`Scheduler.update` advance progress and let the cache index the new blocks.
 
-Storage tiers (docs/ARCHITECTURE.md, "Storage tiers"): the scheduler owns a tier connector
-(kvmosaic/kv/connector.py, given to its constructor; None: no tiers) and does no tier I/O
-itself. For a waiting request it asks how many tokens past the pool's match the tiers supply
-(``get_num_new_matched_tokens``; an asynchronous load parks the request in ``WAITING_FOR_KV``,
-off the queue, until ``get_finished`` names it), tells it the blocks it allocated
-(``update_state_after_alloc``: the payloads go into them) and tells it when a request ends
-(``request_finished``). A question that raises fails that request alone.
+Storage tiers: the scheduler owns a tier connector (kvmosaic/kv/connector.py; None: no tiers)
+and does no tier I/O itself: it asks what the tiers supply past the pool's match, parks a request
+whose load runs in the background in ``WAITING_FOR_KV`` and tells the connector what it allocated
+and when a request ends (docs/ARCHITECTURE.md, "Storage tiers"). A question that raises fails
+that request alone.
 """
 
 from __future__ import annotations
@@ -41,8 +38,10 @@ from ..cache.manager import KVCacheManager, MatchResult
 from ..kv.connector import KVConnector
 from .anticipation import Anticipation
 from .fair_share import FairShare
+from .inflight import inflight_blocks, next_block_in_flight, uncommitted_blocks
 from .lpm import LongestPrefixOrder
 from .pace import PrefillPace
+from .priority import least_important, most_important_first, order_waiting
 from .sequence import Sequence, SequenceStatus
 
 
@@ -51,7 +50,8 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
     max_model_len: int = 8192
-    policy: str = "fcfs"  # "fcfs" or "lpm" (longest cached prefix first)
+    # "fcfs", "lpm" (longest cached prefix first) or "priority" (engine/priority.py)
+    policy: str = "fcfs"
     max_skips: int = 8  # lpm: how many times a waiting request may be passed over
     # While several tenants are active, the prefill tokens a step gives the most-served tenant at
     # most (FairShare.chunk_caps); 0: no limit.
@@ -109,17 +109,6 @@ class Scheduler:
         # Live miss reasons and per-tenant figures (cache/lens.py; None: off), told of each admission.
         self.lens = lens
 
-    @property
-    def tiers(self):
-        """The tier I/O under the connector (the engine's ``TierConnector``), or None."""
-        return self.connector.tiers if self.connector is not None else None
-
-    @tiers.setter
-    def tiers(self, tiers) -> None:
-        # For tools and tests that swap the tier I/O of an idle engine; the engine itself passes
-        # the connector to the constructor.
-        self.connector = KVConnector(tiers, self.kv.block_size) if tiers is not None else None
-
     def add(self, seq: Sequence) -> None:
         self.anticipation.arrived(seq.tenant, seq.arrival_time)
         self.waiting.append(seq)
@@ -143,19 +132,13 @@ class Scheduler:
         return bool(self.waiting or self.running or self.loading)
 
     def abort(self, request_id: str) -> Sequence | None:
-        for seq in list(self.running):
-            if seq.request_id == request_id:
-                self.running.remove(seq)
-                self._release(seq)
-                self._left(seq)
-                return seq
-        for seq in list(self.waiting):
-            if seq.request_id == request_id:
-                self.waiting.remove(seq)
-                self._release(seq)
-                self._left(seq)
-                return seq
-        seq = self.loading.pop(request_id, None)
+        for queue in (self.running, self.waiting):
+            seq = next((s for s in queue if s.request_id == request_id), None)
+            if seq is not None:
+                queue.remove(seq)
+                break
+        else:
+            seq = self.loading.pop(request_id, None)
         if seq is not None:
             self._release(seq)
             self._left(seq)
@@ -188,11 +171,18 @@ class Scheduler:
         prefill = self._prefill_allowance()
         if self._express_step(out, prefill):
             return out
+        by_priority = self.config.policy == "priority"
+        if by_priority:
+            self.waiting = order_waiting(self.waiting)
+            self._preempt_for_waiting(out)
+        outranked = len(out.preempted)
         budget = self.config.max_num_batched_tokens
         caps = self.fair.chunk_caps(self.running, self.waiting, self.config.fair_chunk_tokens)
         rows = self.fair.chunk_caps(self.running, self.waiting, self.config.fair_decode_rows)
         reserved = self.fair.reserve(self.running, self.waiting, budget)  # for other tenants' newcomers
         queue = self.fair.order_running(self.running, in_turn=bool(rows))
+        if by_priority:  # the last of the queue, the first preempted, is then the least important
+            queue = most_important_first(queue)
         while queue and budget > 0:
             seq = queue.pop(0)
             decode = seq.num_uncomputed <= 1
@@ -224,14 +214,37 @@ class Scheduler:
                     caps[seq.tenant] -= n
         if self.loading:
             self._poll_loads(idle=not out.scheduled and not self.waiting, failed=out.failed)
-        if out.preempted or out.out_of_memory:
+        if len(out.preempted) > outranked or out.out_of_memory:  # the pool is short: admit nobody
             self.fair.end_step()
             return out
         if self.config.policy == "lpm":
             self.waiting = self.lpm.order(self.waiting, self.kv)
-        self._admit_waiting(self.fair.order_waiting(list(self.waiting)), min(budget, prefill), caps, out)
+        candidates = self.fair.order_waiting(list(self.waiting))
+        if by_priority:
+            candidates = most_important_first(candidates)
+        self._admit_waiting(candidates, min(budget, prefill), caps, out)
         self.fair.end_step()
         return out
+
+    def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
+        """Policy "priority": while the most important waiting request outranks the least
+        important running one and could not be admitted (the running slots full, or the pool short
+        of the blocks of its first chunk), the latter is preempted (engine/priority.py)."""
+        if not self.waiting or not self.running:
+            return
+        top = self.waiting[0]
+        match = self.kv.match_prefix(top) if top.reads_cache else MatchResult()
+        first = min(top.num_tokens - match.num_tokens, self.config.max_num_batched_tokens)
+        need = self.kv.num_blocks_needed(top, match.num_tokens + first, match)
+        while self.running:
+            victim = least_important(self.running)
+            if victim.priority >= top.priority:
+                return
+            if len(self.running) < self.config.max_num_seqs and self.kv.make_room(need):
+                return
+            self._preempt(victim)
+            out.preempted.append(victim)
+            self.waiting = order_waiting(self.waiting)
 
     def _prefill_allowance(self) -> int:
         """Prompt tokens this step may compute: while any request is decoding, what the engine
@@ -263,7 +276,7 @@ class Scheduler:
     def _admit_waiting(self, candidates: list[Sequence], budget: int, caps: dict, out: SchedulerOutput) -> None:
         """Admit ``candidates`` (waiting sequences, in order) while budget, slots and blocks
         last, each starting after its cached prefix (pool, then tiers)."""
-        inflight = self._inflight_blocks() if self.kv.enable_caching else None
+        inflight = inflight_blocks(self.kv, self.running) if self.kv.enable_caching else None
         for seq in candidates:
             if budget <= 0:
                 break
@@ -275,7 +288,7 @@ class Scheduler:
             if caps.get(seq.tenant, 1) <= 0:
                 continue  # its tenant had its prefill tokens of this step (FairShare.chunk_caps)
             match = self.kv.match_prefix(seq) if seq.reads_cache else MatchResult()
-            if inflight and seq.reads_cache and self._next_block_in_flight(seq, match, inflight):
+            if inflight and seq.reads_cache and next_block_in_flight(self.kv, seq, match, inflight):
                 continue  # another sequence is computing it: hit it at a later step
             external = 0
             if self.connector is not None:  # nothing to load past an empty match
@@ -314,30 +327,13 @@ class Scheduler:
             if seq.tenant in caps:
                 caps[seq.tenant] -= n
             if inflight is not None:
-                inflight.update(self._uncommitted_blocks(seq))
+                inflight.update(uncommitted_blocks(self.kv, seq))
 
     def _leave_queue(self, seq: Sequence) -> None:
         if self.waiting[0] is seq:
             self.waiting.popleft()
         else:
             self.waiting.remove(seq)
-
-    # ---- one computation per shared prefix ----------------------------------------------
-    def _uncommitted_blocks(self, seq: Sequence) -> list:
-        """Chain hashes of the prompt's full blocks that ``seq`` has still to compute."""
-        hashes = self.kv.hasher(seq).update(seq.prompt_token_ids)
-        return hashes[seq.num_computed_tokens // self.kv.block_size :]
-
-    def _inflight_blocks(self) -> set:
-        return {h for s in self.running if s.num_computed_tokens < s.num_prompt_tokens
-                for h in self._uncommitted_blocks(s)}
-
-    def _next_block_in_flight(self, seq: Sequence, match: MatchResult, inflight: set) -> bool:
-        i = match.num_tokens // self.kv.block_size
-        if i >= (seq.num_tokens - 1) // self.kv.block_size:  # nothing more it could hit
-            return False
-        hashes = self.kv.hasher(seq).update(seq.all_token_ids)
-        return i < len(hashes) and hashes[i] in inflight
 
     # ---- storage tiers -------------------------------------------------------------------
     def _poll_loads(self, idle: bool, failed: list) -> None:

@@ -194,11 +194,12 @@ class AsyncEngine:
         cache_salt: str | None = None,
         tenant: str | None = None,
         truncate: int | None = None,
+        priority: int = 0,
     ) -> list[RequestStream]:
         """As :meth:`add`, for ``n`` samples of the prompt: one stream per sample, in choice
         order (the engine forks samples 1..n-1 once the prompt is computed; their request ids
         are ``LLMEngine.child_request_ids``). Abort every stream's request to cancel it.
-        ``truncate``: ``InputProcessor.process``'s."""
+        ``truncate``: ``InputProcessor.process``'s; ``priority``: the engine's (higher first)."""
         loop = asyncio.get_running_loop()
         arrival = time.perf_counter()
         rid = f"req-{uuid.uuid4().hex}"
@@ -210,7 +211,7 @@ class AsyncEngine:
         streams = [RequestStream(i, loop) for i in (rid, *LLMEngine.child_request_ids(rid, params.n))]
 
         def add(engine: LLMEngine) -> None:
-            engine.add_processed(processed, params, request_id=rid, tenant=tenant, grammar=grammar,
+            engine.add_processed(processed, params, request_id=rid, priority=priority, tenant=tenant, grammar=grammar,
                                  arrival_time=arrival)
             for s in streams:
                 self._streams[s.request_id] = s

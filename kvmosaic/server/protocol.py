@@ -4,10 +4,12 @@ Strict on purpose: a field of the wrong type is an error, never coerced (``"5"``
 An unknown field is ignored and named in one log line per request (vLLM's rule, so the
 extras that SDKs send do not break clients; :func:`ignored_fields` finds them, nested ones
 included). Known fields this server cannot honour (``suffix``, ``best_of`` other than ``n``,
-``priority``, ``use_beam_search``) are accepted only at their neutral value, and a 400 naming the
-field otherwise. (A misspelt ``cache_salt`` is therefore ignored, with that log line; to keep
-tenants apart without trusting the body, derive salts from API keys, server/tenancy.py.) Known fields that change nothing
-here (``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``, ``user``) are accepted.
+``use_beam_search``) are accepted only at their neutral value, and a 400 naming the field
+otherwise; a ``priority`` other than 0 only under ``--scheduling-policy priority``, as vLLM. (A
+misspelt ``cache_salt`` is therefore ignored, with that log line; to keep tenants apart without
+trusting the body, derive salts from API keys, server/tenancy.py.) Known fields that change
+nothing here (``store``, ``metadata``, ``service_tier``, ``parallel_tool_calls``, ``user``) are
+accepted.
 
 Bounded (issue 25): every list, map and object a body may hold has a length cap in the schema
 itself, so validating any body under the size limit costs O(cap), and a body over a cap gets
@@ -139,8 +141,10 @@ class SamplingFields(StrictModel):
     # vLLM's: for every prompt token but the first, its log-probability and the top-k before it
     # (server/echo.py); the request then computes its whole prompt, reading nothing from the cache.
     prompt_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
-    # Known, supported only at their neutral value (a 400 naming the field otherwise).
-    priority: int = 0
+    # vLLM's: lower is scheduled first, under --scheduling-policy priority (engine/priority.py);
+    # any other value than 0 is a 400 otherwise (vLLM's rule)
+    priority: Annotated[int, Field(ge=-(2**31), lt=2**31)] = 0
+    # Known, supported only at its neutral value (a 400 naming the field otherwise).
     use_beam_search: bool = False
     # vLLM's: keep the prompt's last k tokens (-1: the context's length) (engine/input_processor.py)
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
@@ -159,9 +163,8 @@ class SamplingFields(StrictModel):
     def _supported(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options can only be set when stream is true")
-        for name, neutral in (("priority", 0), ("use_beam_search", False)):
-            if getattr(self, name) != neutral:
-                raise ValueError(f"{name} is not supported by this server (only {json.dumps(neutral)})")
+        if self.use_beam_search:
+            raise ValueError("use_beam_search is not supported by this server (only false)")
         for key in self.logit_bias or {}:
             if not (key.isascii() and key.isdigit() and len(key) <= 9):
                 raise ValueError(f"logit_bias keys must be token ids (non-negative integers), not {short_repr(key)}")

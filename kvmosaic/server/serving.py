@@ -168,6 +168,16 @@ class OpenAIServing:
         template is called (``tokenize``, ``continue_final_message``, ...) are dropped."""
         return {k: v for k, v in (kwargs or {}).items() if k not in self.reserved_template_kwargs}
 
+    def _priority(self, req: SamplingFields) -> int:
+        """The engine's priority (higher first) of vLLM's request field (lower first): accepted
+        where a policy reads it (``--scheduling-policy priority``, engine/priority.py, or
+        ``--eviction-policy priority``), a 400 otherwise, as vLLM refuses it without its policy."""
+        config = self.engine.engine.config
+        if req.priority and "priority" not in (config.scheduling_policy, config.eviction_policy):
+            raise APIError(400, f"priority {req.priority} asks for priority scheduling, which this server does not run "
+                                "(start it with --scheduling-policy priority)", "priority")
+        return -req.priority
+
     def check_chars(self, num_chars: int, param: str) -> None:
         """Refuse a prompt no tokenizer could fit in the context, before tokenising it."""
         if num_chars > self.max_prompt_chars:
@@ -249,10 +259,12 @@ class OpenAIServing:
                 self.engine.abort(s.request_id)
             release()
 
+        priority = self._priority(req)
         try:
             for prompt in prompts:
                 prompt, psalt = await self.tenants.resolve(self.engine.engine, req, prompt, salt)  # shared-public head
-                streams += await self.engine.add_samples(prompt, make_params, psalt, tenant, req.truncate_prompt_tokens)
+                streams += await self.engine.add_samples(prompt, make_params, psalt, tenant, req.truncate_prompt_tokens,
+                                                         priority)
         except ValueError as e:
             abort_all()
             raise APIError(400, str(e), prompt_param) from None
