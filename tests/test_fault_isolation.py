@@ -24,6 +24,7 @@ import torch
 from kvmosaic.engine.llm_engine import LLMEngine
 from kvmosaic.engine.sampler import SamplingError, sample_rows, top_logprobs
 from kvmosaic.engine.sampling_params import SamplingParams
+from kvmosaic.kv.connector import KVConnector
 from kvmosaic.server.app import build_app
 from kvmosaic.server.async_engine import AsyncEngine
 from kvmosaic.server.errors import APIError
@@ -190,7 +191,7 @@ def test_a_failed_tier_load_fails_its_request_alone(engine, monkeypatch, fail):
     tiers = FaultyTiers(set(engine.cache.new_hasher().update(engine.inputs.process(victim, None).prompt_token_ids)), fail)
     assert tiers.keys
     monkeypatch.setattr(engine.cache, "tiers", tiers)
-    monkeypatch.setattr(engine.scheduler, "tiers", tiers)
+    monkeypatch.setattr(engine.scheduler, "connector", KVConnector(tiers, engine.cache.block_size))
     first, bad, second = run_all(engine, [PROMPTS[0], victim, PROMPTS[1]], params)
     assert tiers.hits, "the victim's blocks were found in the tier"
     assert bad.finish_reason == "error" and bad.error_reason == "tier_load" and "simulated" in bad.error
