@@ -148,3 +148,13 @@ def test_the_engine_serves_by_priority():
             if out.finished:
                 first.append(out.request_id)
     assert first == ["high", "mid", "low"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_preemption_for_a_request_no_pool_could_hold(backend):
+    sched = _scheduler(backend, num_blocks=8)
+    running = _seq("running", 0, 0.0)
+    sched.add(running)
+    dry_step(sched, 1000)
+    sched.add(_seq("huge", 9, 1.0, tokens=200))  # its first chunk alone needs 13 blocks of 8
+    assert dry_step(sched, 1000).preempted == [] and sched.running == [running]

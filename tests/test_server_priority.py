@@ -80,3 +80,11 @@ def test_without_the_policy_priority_is_a_400():
         assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
         assert "--scheduling-policy priority" in r.json()["error"]["message"]
         assert httpx.post(proc.url + C, json={"prompt": "x", "max_tokens": 1, "priority": 0}, timeout=60).status_code == 200
+
+
+def test_the_priority_eviction_policy_reads_it_too():
+    """``--eviction-policy priority`` ranks cached blocks by their requests' priority: the field is
+    served there as well (negated as for scheduling: a lower vLLM priority is kept longer)."""
+    with ServerProcess("--dtype", "float32", "--num-kv-blocks", "32", "--eviction-policy", "priority") as proc:
+        r = httpx.post(proc.url + C, json={"prompt": "x", "max_tokens": 1, "priority": -2}, timeout=60)
+        assert r.status_code == 200, r.text

@@ -236,6 +236,8 @@ class Scheduler:
         match = self.kv.match_prefix(top) if top.reads_cache else MatchResult()
         first = min(top.num_tokens - match.num_tokens, self.config.max_num_batched_tokens)
         need = self.kv.num_blocks_needed(top, match.num_tokens + first, match)
+        if need > self.kv.pool.num_blocks:  # no preemption would make room for it
+            return
         while self.running:
             victim = least_important(self.running)
             if victim.priority >= top.priority:
