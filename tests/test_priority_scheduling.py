@@ -158,3 +158,23 @@ def test_no_preemption_for_a_request_no_pool_could_hold(backend):
     dry_step(sched, 1000)
     sched.add(_seq("huge", 9, 1.0, tokens=200))  # its first chunk alone needs 13 blocks of 8
     assert dry_step(sched, 1000).preempted == [] and sched.running == [running]
+
+
+def test_priority_preempts_for_blocks_under_the_hybrid_layout():
+    """A sliding-window model's layout holds a block per group and token span: the blocks an urgent
+    request needs are counted over every group (``HybridCacheManager.num_blocks_needed``)."""
+    from kvmosaic.cache.block_pool import BlockPool
+    from kvmosaic.cache.hashing import get_hash_fn
+    from kvmosaic.cache.hybrid import HybridCacheManager
+    from kvmosaic.cache.kv_groups import KVLayout
+
+    mgr = HybridCacheManager(BlockPool(12, 16), b"\x01" * 32, get_hash_fn("sha256"), KVLayout.plan([None, 32]), True)
+    sched = Scheduler(SchedulerConfig(256, 8, 1 << 16, "priority"), mgr)
+    hog = _seq("hog", 0, 0.0, tokens=64)  # 4 blocks in each of the 2 groups: 8 of 12
+    sched.add(hog)
+    dry_step(sched, 1000)
+    urgent = _seq("urgent", 1, 1.0, tokens=40)  # 3 blocks a group: 6, where 4 are free
+    assert mgr.num_blocks_needed(urgent, 40, None) == 6
+    sched.add(urgent)
+    out = dry_step(sched, 1000)
+    assert out.preempted == [hog] and [s.seq for s in out.scheduled] == [urgent]

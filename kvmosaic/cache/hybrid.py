@@ -125,6 +125,15 @@ class HybridCacheManager(PooledPins, KVCacheManager):
         self.pool.free_blocks(out, getattr(req, "priority", 0))
         return len(out)
 
+    def num_blocks_needed(self, req: CacheRequest, num_tokens: int, match: MatchResult | None) -> int:
+        """Every group's blocks short of ``num_tokens`` (a window group's given-back entries count as held)."""
+        tables = self.tables.get(req.request_id)
+        if tables is None:
+            hit = match if isinstance(match, HybridMatch) and match.group_blocks else None
+            tables = hit.group_blocks if hit else [[] for _ in range(self.num_groups)]
+        nblocks = -(-num_tokens // self.block_size)
+        return sum(max(0, nblocks - len(t)) for t in tables)
+
     def allocate_slots(self, req: CacheRequest, num_total_tokens: int,
                        match: MatchResult | None = None) -> list[int] | None:
         rid = req.request_id
@@ -139,7 +148,7 @@ class HybridCacheManager(PooledPins, KVCacheManager):
                 self.release_outside_window(req, computed)
             tables, hit_blocks = self.tables[rid], []
         nblocks = -(-num_total_tokens // self.block_size)
-        need = sum(max(0, nblocks - len(t)) for t in tables)
+        need = self.num_blocks_needed(req, num_total_tokens, match)
         if need + sum(1 for b in hit_blocks if b.ref_cnt == 0) > self.pool.num_free_blocks:
             return None
         if first:
