@@ -37,6 +37,7 @@ ENGINE_FLAGS = {
     "blend_check_layer": ["--blend-check-layer", "3"], "blend_head_tokens": ["--blend-head-tokens", "4"],
     "blend_selection": ["--blend-selection", "deviation"],
     "segment_cache_memory": ["--segment-cache-memory", "64M"],
+    "scored_prefix_cache_memory": ["--scored-prefix-cache-memory", "32M"],
     "segment_separator": ["--segment-separator", "<|doc|>"],
     "kv_tiers": ["--kv-tier", "host:1GiB", "--kv-tier", "disk:{tmp}:1GiB"],
     "kv_tier_load_timeout": ["--kv-tier-load-timeout", "0.5"],

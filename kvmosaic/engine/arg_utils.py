@@ -199,6 +199,10 @@ class EngineArgs(CliArgs):
     blend_head_tokens: int = option(12, "blend: the first tokens of every reused segment that no longer follows "
                                         "the tokens it was computed after are recomputed too (EPIC's LegoLink)")
     segment_cache_memory: int = option(256 << 20, "bytes for stored segment KV (LRU), e.g. 256M", type=memory_size)
+    scored_prefix_cache_memory: int = option(0, "bytes for the last-layer hidden states of scored prompts' blocks "
+                                                "(LRU; 0: off): a request with prompt_logprobs then starts after a "
+                                                "prefix another scored prompt computed (engine/scored_prefix.py)",
+                                             type=memory_size)
     segment_separator: str | None = option(None, "mark segments in any text prompt (chat messages too): "
                                                  "head TEXT doc TEXT ... TEXT tail", metavar="TEXT")
     kv_tiers: list[str] | None = option(None, "a storage tier below the pool, fastest first (repeatable): "

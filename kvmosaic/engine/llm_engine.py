@@ -27,6 +27,7 @@ import torch
 from ..blend.engine_hook import SegmentReuse
 from ..cache.block_pool import BlockPool
 from ..cache.events import EventLog
+from ..cache.hash_manager import HashCacheManager
 from ..cache.hashing import make_seed
 from ..cache.lens import CacheLens
 from ..cache.residency import BlockResidency
@@ -47,6 +48,7 @@ from .prompt_logprobs import record as record_prompt_logprobs
 from .sampler import sample_rows, top_logprobs
 from .sampling_params import SamplingParams
 from .scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from .scored_prefix import ScoredPrefixCache
 from .sequence import Sequence
 from .stats import EngineStats, ModelInfo, engine_stats
 from .structured import GrammarFactory, apply_grammars
@@ -109,6 +111,8 @@ class LLMEngine:
         )
         self.runner = ModelRunner(self.model, self.kv, cascade=config.cascade_attention,
                                   batch_invariant=config.batch_invariant)
+        if config.scored_prefix_cache_memory and isinstance(self.cache, HashCacheManager) and self.cache.enable_caching:
+            self.scheduler.scored = self.runner.scored = ScoredPrefixCache(self.cache, config.scored_prefix_cache_memory)
         self.runner.warm_up()
         self.segment_reuse = SegmentReuse(self.model, self.kv, config, self.model_fingerprint,
                                           self.tiers.stack if self.tiers is not None else None, self.tokenizer)

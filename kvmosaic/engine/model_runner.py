@@ -15,6 +15,7 @@ from ..model.window import GroupedMetadata
 from .prompt_logprobs import Scored, prompt_rows, score
 from .sampling_params import SamplingParams
 from .scheduler import ScheduledSeq
+from .scored_prefix import ScoredPrefixCache, score_prefixes
 from .sequence import Sequence
 
 # Cascade decode attention (model/attention.py) for a prefix shared by at least two decodes and
@@ -52,6 +53,8 @@ class ModelRunner:
         self.cascade = cascade and cascade_pays(model, kv)
         self.batch_invariant = batch_invariant
         self.device = kv.device
+        # Scored prompts' hidden rows by block (engine/scored_prefix.py; None: off), set by the engine
+        self.scored: ScoredPrefixCache | None = None
 
     def warm_up(self, prompt_tokens: int = 16) -> None:
         """Run one short prompt and one decode step over the pool's first blocks, before any
@@ -187,10 +190,13 @@ class ModelRunner:
             meta = _to_device(meta, dev)
             ids, pos, logits_index = ids.to(dev), pos.to(dev), logits_index.to(dev)
         rows = prompt_rows(batch)
+        prefixes = score_prefixes(self.model, batch) if self.scored is not None else []
         if rows is None:
-            return StepResult(self.model(ids, pos, self.kv, meta, logits_index), sampling)
+            return StepResult(self.model(ids, pos, self.kv, meta, logits_index), sampling, prefixes)
         logits, hidden = self.model(ids, pos, self.kv, meta, logits_index, rows.index.to(dev))
-        return StepResult(logits, sampling, score(self.model, hidden, rows))
+        if self.scored is not None:
+            self.scored.keep_step(rows, hidden)
+        return StepResult(logits, sampling, prefixes + score(self.model, hidden, rows))
 
 
 def _is_decode(s: ScheduledSeq) -> bool:

@@ -4,7 +4,8 @@ position before, with the top-k there (the raw distribution, as for generated to
 
 They need the head over every prompt position, so a request that asks for them reads nothing from
 the cache (``Sequence.reads_cache``: not the pool, the tiers or segment reuse; vLLM's rule, since a
-cached position has no hidden state here) and counts as no cache query. Its blocks are stored as
+cached position has no hidden state here) and counts as no cache query — unless the scored prefix
+cache keeps the hidden rows of its prefix (engine/scored_prefix.py, off by default). Its blocks are stored as
 any prompt's are, for the requests after it. The runner takes the last layer's hidden states at
 those rows (``LlamaForCausalLM.forward``'s ``hidden_index``) and runs the head over ``SLICE`` rows
 at a time, so a 2,048-token chunk holds ``SLICE`` x vocabulary logits at once, not 2,048."""

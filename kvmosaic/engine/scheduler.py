@@ -11,27 +11,23 @@ Each step spends a token budget (``max_num_batched_tokens``):
 2. then waiting sequences are admitted while budget, sequence slots and blocks last, each
    starting after its cached prefix. New prefills thus join running decodes.
 
-While any request is decoding, the prompt tokens of a step are limited further to what the
-engine computes in ``max_decode_stall_ms`` (engine/pace.py): a long prompt is cut into steps
-short enough that no stream waits longer than that for its next token.
+While any request is decoding, a step's prompt tokens are what the engine computes in
+``max_decode_stall_ms`` at most (engine/pace.py). A waiting sequence whose next uncached block
+another is computing waits for it, then hits it (engine/inflight.py). The runner writes the
+scheduled tokens' KV; only then does :meth:`Scheduler.update` advance progress and index blocks.
 
-One computation per shared prefix in flight (engine/inflight.py): a waiting sequence whose next
-uncached block another sequence is computing right now waits for it, then hits it.
-
-A sequence's KV for the scheduled tokens is written by the model runner; only after that
-does :meth:`Scheduler.update` advance progress and let the cache index the new blocks.
-
-Storage tiers: the scheduler owns a tier connector (kvmosaic/kv/connector.py; None: no tiers)
-and does no tier I/O itself: it asks what the tiers supply past the pool's match, parks a request
-whose load runs in the background in ``WAITING_FOR_KV`` and tells the connector what it allocated
-and when a request ends (docs/ARCHITECTURE.md, "Storage tiers"). A question that raises fails
-that request alone.
+Storage tiers: the scheduler owns a tier connector (kvmosaic/kv/connector.py; None: no tiers) and
+does no tier I/O itself: it asks what the tiers supply past the pool's match, parks a request whose
+load runs in the background in ``WAITING_FOR_KV`` and tells the connector what it allocated and
+when a request ends (docs/ARCHITECTURE.md, "Storage tiers"); a question that raises fails that
+request alone.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from ..cache.lens import CacheLens
 from ..cache.manager import KVCacheManager, MatchResult
@@ -43,6 +39,9 @@ from .lpm import LongestPrefixOrder
 from .pace import PrefillPace
 from .priority import least_important, most_important_first, order_waiting
 from .sequence import Sequence, SequenceStatus
+
+if TYPE_CHECKING:
+    from .scored_prefix import ScoredPrefixCache
 
 
 @dataclass
@@ -108,6 +107,7 @@ class Scheduler:
         self.loading: dict[str, Sequence] = {}
         # Live miss reasons and per-tenant figures (cache/lens.py; None: off), told of each admission.
         self.lens = lens
+        self.scored: ScoredPrefixCache | None = None  # a scored prompt's cached prefix (engine/scored_prefix.py)
 
     def add(self, seq: Sequence) -> None:
         self.anticipation.arrived(seq.tenant, seq.arrival_time)
@@ -227,13 +227,12 @@ class Scheduler:
         return out
 
     def _preempt_for_waiting(self, out: SchedulerOutput) -> None:
-        """Policy "priority": while the most important waiting request outranks the least
-        important running one and could not be admitted (the running slots full, or the pool short
-        of the blocks of its first chunk), the latter is preempted (engine/priority.py)."""
+        """Policy "priority": the least important running request is preempted while the most important
+        waiting one outranks it and could not be admitted (engine/priority.py)."""
         if not self.waiting or not self.running:
             return
         top = self.waiting[0]
-        match = self.kv.match_prefix(top) if top.reads_cache else MatchResult()
+        match = self._match(top)
         first = min(top.num_tokens - match.num_tokens, self.config.max_num_batched_tokens)
         need = self.kv.num_blocks_needed(top, match.num_tokens + first, match)
         if need > self.kv.pool.num_blocks:  # no preemption would make room for it
@@ -289,8 +288,8 @@ class Scheduler:
                 continue  # its tenant holds its share of the slots while another tenant waits
             if caps.get(seq.tenant, 1) <= 0:
                 continue  # its tenant had its prefill tokens of this step (FairShare.chunk_caps)
-            match = self.kv.match_prefix(seq) if seq.reads_cache else MatchResult()
-            if inflight and seq.reads_cache and next_block_in_flight(self.kv, seq, match, inflight):
+            match = self._match(seq)
+            if inflight and (seq.reads_cache or self.scored) and next_block_in_flight(self.kv, seq, match, inflight):
                 continue  # another sequence is computing it: hit it at a later step
             external = 0
             if self.connector is not None:  # nothing to load past an empty match
@@ -331,6 +330,12 @@ class Scheduler:
             if inflight is not None:
                 inflight.update(uncommitted_blocks(self.kv, seq))
 
+    def _match(self, seq: Sequence) -> MatchResult:
+        """The prefix ``seq`` starts after: the pool's; a scored prompt's, where its rows are kept."""
+        if seq.reads_cache:
+            return self.kv.match_prefix(seq)
+        return self.scored.match(seq) if self.scored is not None else MatchResult()
+
     def _leave_queue(self, seq: Sequence) -> None:
         if self.waiting[0] is seq:
             self.waiting.popleft()
@@ -358,6 +363,8 @@ class Scheduler:
             self.kv.record_query(seq, match)
             if self.lens is not None:
                 self.lens.on_admit(seq, match, cached)
+        if not seq.reads_cache and match.blocks:
+            seq.prefix_hidden = self.scored.prefix_rows(match.blocks)
         seq.num_computed_tokens = cached
         if seq.num_cached_tokens < 0:
             seq.num_cached_tokens = cached

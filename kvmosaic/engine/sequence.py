@@ -43,6 +43,9 @@ class Sequence:
     # prompt's chunks are computed (engine/prompt_logprobs.py)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank there (1: the most likely)
+    # A scored prompt admitted after a prefix whose hidden rows were kept (engine/scored_prefix.py):
+    # those rows, scored by the runner at the step that admitted it
+    prefix_hidden: torch.Tensor | None = None
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prefix-cache hit on first admission (-1: not admitted yet)
