@@ -88,13 +88,8 @@ class RopeAt:
                 and kernels.rope_store(qkv, heads, kv_heads, self.cos, self.signed_sin, slots, k_pool, v_pool))
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """transformers' rotation of each (first half, second half) pair (blend/rope.py uses it)."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` as in transformers, bit for bit: ``rotate_half(x)`` is
-    ``cat(-x2, x1)``, which is ``roll(x, D/2)`` with the first half's sign moved into the table."""
+    """``x * cos + rotate_half(x) * sin`` as in transformers, bit for bit: transformers'
+    ``rotate_half(x)`` is ``cat(-x2, x1)``, which is ``roll(x, D/2)`` with the first half's sign moved
+    into the table."""
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
