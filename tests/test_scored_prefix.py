@@ -13,19 +13,32 @@ from tests.conftest import make_llm, packed_gemm_rows_invariant
 
 CONTEXT = list(range(300, 600))
 CONTINUATIONS = [list(range(1000 + 7 * i, 1005 + 7 * i)) for i in range(4)]
-SCORED = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3)
+SCORED = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=3, logprobs=2)
 
 
 def _prompts(salt: str | None = None) -> list[dict]:
     return [{"prompt_token_ids": CONTEXT + c, **({"cache_salt": salt} if salt else {})} for c in CONTINUATIONS]
 
 
-def _assert_same_scores(got, want, exact: bool) -> None:
+def _assert_same_scores(got, want, tol: float) -> None:
+    """Log-probabilities equal to ``tol``; ranks and top tokens equal. Where bfloat16 GEMMs change a row's bits
+    with the row count (an AMX Xeon: ``tol`` 0.5, the bfloat16 logit tolerance of test_last_layer_rows.py),
+    the top tokens keep their order and a prompt token ranked first stays first except at a near tie (a
+    runner-up within 2 * tol); a lower rank among the vocabulary's close log-probabilities is not compared."""
     for a, b in zip(got, want, strict=True):
-        assert a.prompt_ranks == b.prompt_ranks and a.token_ids == b.token_ids
-        for x, y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], strict=True):
-            assert list(x) == list(y)
-            assert x == y if exact else all(abs(x[t] - y[t]) <= 1e-4 for t in y)
+        assert a.token_ids == b.token_ids or (tol > 1e-4 and _near_tie(b.logprobs[0], 2 * tol))
+        for x, y, rank_x, rank_y in zip(a.prompt_logprobs[1:], b.prompt_logprobs[1:], a.prompt_ranks[1:],
+                                        b.prompt_ranks[1:], strict=True):
+            assert all(abs(x[t] - y[t]) <= tol for t in x.keys() & y.keys())
+            if tol <= 1e-4:
+                assert list(x) == list(y) and rank_x == rank_y
+            elif not _near_tie(y, 2 * tol):
+                assert list(x) == list(y) and (rank_x == 1) == (rank_y == 1)
+
+
+def _near_tie(logprobs: dict[int, float], margin: float) -> bool:
+    values = sorted(logprobs.values(), reverse=True)
+    return any(hi - lo <= margin for hi, lo in zip(values, values[1:]))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -36,13 +49,13 @@ def test_continuations_of_one_context_score_as_if_computed_whole(dtype):
     want = [whole.generate(p, SCORED)[0] for p in _prompts()]
     assert all(o.num_cached_tokens == 0 for o in want)  # without the store a scored prompt reads nothing
     llm = make_llm(dtype=dtype, scored_prefix_cache_memory=16 << 20)
-    exact = dtype == "bfloat16" and packed_gemm_rows_invariant()
+    tol = 0.0 if dtype == "bfloat16" and packed_gemm_rows_invariant() else 1e-4 if dtype == "float32" else 0.5
     one_by_one = [llm.generate(p, SCORED)[0] for p in _prompts()]
     assert [o.num_cached_tokens for o in one_by_one] == [0, 288, 288, 288]
-    _assert_same_scores(one_by_one, want, exact)
+    _assert_same_scores(one_by_one, want, tol)
     batched = llm.generate(_prompts("batch"), [SCORED] * 4)  # another namespace: nothing of the above
     assert [o.num_cached_tokens for o in batched] == [0, 288, 288, 288]  # the others wait for the first's blocks
-    _assert_same_scores(batched, want, exact)
+    _assert_same_scores(batched, want, tol)
 
 
 def test_rows_come_only_from_scored_prompts_of_the_same_namespace():

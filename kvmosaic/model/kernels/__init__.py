@@ -46,9 +46,9 @@ log = logging.getLogger("kvmosaic")
 
 SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "q8_0_matmul.c", "decode_step.c",
-                        "prefill_attention.c", "prefill_attention_avx2.c")]
+                        "prefill_attention.c", "prefill_attention_amx.c", "prefill_attention_avx2.c")]
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h", "q4_1_avx2.h")]
+           for name in ("bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h", "q4_1_avx2.h", "prefill_softmax.h")]
 # No FMA contraction: a * b + c rounds the product as torch's separate operators do.
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off"]
@@ -122,6 +122,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         "decode_tile_shape": (i32, [i32, ptr]),
         "prefill_attention": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),
         "prefill_attention_f32": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),
+        "prefill_attention_amx_ready": (i32, []),
     }
     for name, (restype, argtypes) in signatures.items():
         fn = getattr(lib, name)

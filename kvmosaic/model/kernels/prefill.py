@@ -1,5 +1,6 @@
-"""Causal prefill attention over the paged pool, in C: bfloat16 on AVX512-BF16, float32 on
-AVX-512 or AVX2 with FMA (``prefill_attention.c``, ``prefill_attention_avx2.c``;
+"""Causal prefill attention over the paged pool, in C: bfloat16 on AMX tiles where the CPU has them
+(``prefill_attention_amx.c``) and else on AVX512-BF16, float32 on AVX-512 or AVX2 with FMA
+(``prefill_attention.c``, ``prefill_attention_avx2.c``;
 docs/ARCHITECTURE.md, "Prefill attention").
 
 Serves a prompt span whose queries are the last tokens of its context with no mask beyond
@@ -55,6 +56,13 @@ def _run(q, k_cache, v_cache, slots, scale, positions=None) -> torch.Tensor | No
             None if positions is None else positions.data_ptr(), slots.numel(), num_tokens, heads, k_cache.shape[1],
             dim, q.stride(0), scale, out.data_ptr(), torch.get_num_threads())
     return out if rc == 0 else None
+
+
+def on_amx_tiles() -> bool:
+    """Whether bfloat16 spans run on AMX tiles in this process (``prefill_attention_amx.c``: built with AMX
+    and granted the tile state by the OS); else the AVX512-BF16 kernel serves them."""
+    lib = _library()
+    return lib is not None and bool(lib.prefill_attention_amx_ready())
 
 
 @functools.cache
