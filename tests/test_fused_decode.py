@@ -22,8 +22,10 @@ import torch
 
 from kvmosaic import SamplingParams
 from kvmosaic.model.attention import AttentionMetadata, DecodeBatch
-from kvmosaic.model.fused_decode import FusedDecode
+from kvmosaic.model.fused_decode import AMX_MAX_ROWS, FusedDecode
+from kvmosaic.model.packed_linear import amx_gemms
 from tests.conftest import assert_greedy_within, make_llm, record_logits
+from tests.test_batch_composition import BF16_LOGIT_TOL
 
 # Both paths sum the projections in float32, in another order (oneDNN's blocking; AVX512-BF16 pair
 # products here), and the difference compounds through 30 layers and the KV each step writes.
@@ -131,7 +133,8 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, 
 
     def check_rows(fused, x, positions, kv, meta, logits_index):
         batched = fused(x, positions, kv, meta)
-        assert (fused.head is not None) == (quantization is None)  # a GGUF's Q8_0 head runs after the step
+        # a GGUF's Q8_0 head runs after the step, as oneDNN's packed head where it runs on AMX tiles
+        assert (fused.head is not None) == (quantization is None and not amx_gemms(fused.dtype))
         logits = fused.step(x, positions, kv, meta, logits_index)  # the head in the same call, where it is fused
         assert torch.equal(logits, fused.logits(batched)), "the fused head gave other logits than the head after it"
         d = meta.decode
@@ -262,4 +265,32 @@ def test_phase_timers_build_gives_the_same_steps_and_counts_their_phases(monkeyp
     got = _greedy(llm, prompts, max_tokens=6)
     assert got[0] == want[0]
     assert all(torch.equal(x, y) for a, b in zip(got[1], want[1]) for x, y in zip(a, b, strict=True))
-    assert all(seconds[i] > 0 for i in range(6))
+    fused = FusedDecode.for_model(llm.engine.model)
+    assert all(seconds[i] > 0 for i in range(6 if fused.head is not None else 5))  # 5: the final norm and head
+
+
+def test_decode_batches_past_max_rows_take_the_layers(monkeypatch):
+    """Where oneDNN's bfloat16 GEMMs run on AMX tiles the fused step serves at most AMX_MAX_ROWS decodes
+    (larger batches are faster through the layers); elsewhere any batch. With a cap of 3, the steps that
+    hold a fourth, short stream run the layers, the rest the fused step, and the three streams' greedy
+    tokens are the uncapped run's within the bfloat16 tolerance (the layers sum in another order)."""
+    llm = _fused_llm("bfloat16", num_kv_blocks=128)
+    fused = FusedDecode.for_model(llm.engine.model)
+    assert fused.max_rows == (AMX_MAX_ROWS if amx_gemms(torch.bfloat16) else None)
+    prompts = _prompts(llm.tokenizer)
+    want = _greedy(llm, prompts, max_tokens=8)
+    fused.max_rows = 3
+    monkeypatch.setattr(llm.engine.model, "_fused", fused)  # the model is shared by the tests' engines
+    sizes = []
+
+    def capped(fused, x, positions, kv, meta, logits_index):
+        sizes.append(x.shape[0])
+        return fused.step(x, positions, kv, meta, logits_index)
+
+    _around_fused_steps(llm.engine.model, monkeypatch, capped)
+    logits = record_logits(llm)
+    outs = llm.generate(prompts + [prompts[0]], [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
+                                                 for n in (8, 8, 8, 3)])
+    assert sizes and max(sizes) == 3 and len(sizes) < 7  # the steps with four decodes ran the layers
+    assert_greedy_within(BF16_LOGIT_TOL, want[0], [o.token_ids for o in outs[:3]], want[1],
+                         [logits[o.request_id] for o in outs[:3]])

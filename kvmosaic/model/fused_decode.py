@@ -13,10 +13,13 @@ exactly as the layer-by-layer path does, up to float32 summation order in the pr
   full rotary, plain (or oneDNN-packed) projections, or in float32 a GGUF's Q4_1 ones
   (``quantization="gguf"``: the same sums as the layer path's Q4_1 kernel, ``kernels/q4_1_avx2.h``);
   not int8 ones;
-* a step whose every token is a decode, with no shared-prefix (cascade) groups.
+* a step whose every token is a decode, with no shared-prefix (cascade) groups; in bfloat16 on a CPU
+  with AMX, at most ``AMX_MAX_ROWS`` of them (``packed_linear.amx_gemms``: oneDNN's tile GEMMs win
+  past that).
 
 Anything else runs the layer-by-layer path. ``KVMOSAIC_FUSED_DECODE=0`` turns it off (as
-``KVMOSAIC_KERNELS=0`` turns off every kernel). A row's result does not depend on the batch.
+``KVMOSAIC_KERNELS=0`` turns off every kernel). A row's result does not depend on the batch, within
+the batch sizes the step serves.
 """
 
 from __future__ import annotations
@@ -30,12 +33,13 @@ from torch import nn
 
 from . import decode_tiles, kernels
 from .attention import AttentionMetadata, PagedKV
-from .packed_linear import PackedLinear
+from .packed_linear import PackedLinear, amx_gemms
 from .quant_gguf import Q4_1Linear, Q8_0Head
 
 log = logging.getLogger("kvmosaic")
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+AMX_MAX_ROWS = 8
 
 
 def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
@@ -84,6 +88,10 @@ class FusedDecode:
                       cfg.head_dim)
         self.eps, self.scale = float(cfg.rms_norm_eps), float(model.layers[0].scale)
         self._pointers: tuple[tuple[int, ...], ctypes.Array] | None = None  # (pool addresses, layer pointers)
+        # Where oneDNN's GEMMs run on AMX tiles the layers' path is faster past a few rows (a 700-token
+        # context's step: 25 against 29 ms at 6 rows, a tie at 8, 64 against 50 at 16, 99-115 against
+        # 77-81 at 32; 2-core AMX Xeon): larger decode batches take it.
+        self.max_rows = AMX_MAX_ROWS if amx_gemms(dtype) else None
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedDecode | None:
@@ -118,10 +126,12 @@ class FusedDecode:
         return fused
 
     def serves(self, kv: PagedKV, meta) -> bool:
-        """Whether this step is one the fused path computes: decodes only, a pool in the model's dtype."""
+        """Whether this step is one the fused path computes: decodes only (at most ``max_rows``), a pool
+        in the model's dtype."""
         d = meta.decode if isinstance(meta, AttentionMetadata) else None
         return (d is not None and not meta.prefills and not d.shared and d.lens is not None
                 and d.token_index.numel() == meta.slot_mapping.numel()  # every token a decode, in order
+                and (self.max_rows is None or d.token_index.numel() <= self.max_rows)
                 and kv.k[0].dtype == self.dtype and kv.k[0].is_contiguous())
 
     def _layer_pointers(self, kv: PagedKV) -> ctypes.Array:

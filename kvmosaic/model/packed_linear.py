@@ -60,6 +60,14 @@ def packing_supported(dtype: torch.dtype, device: torch.device) -> bool:
     )
 
 
+def amx_gemms(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's packed GEMMs in ``dtype`` run on AMX tiles here (bfloat16 on a CPU with AMX). There a
+    GEMM of a few dozen rows costs what one row does, so the C products that compute row by row (the LM head
+    in decode tiles, the fused decode step) pay only at a few rows (measured on a 2-core AMX Xeon:
+    BENCHMARKS.md, issue 26, seventh session)."""
+    return dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
+
+
 def try_pack(weight: torch.Tensor) -> nn.Module | None:
     """A PackedLinear for ``weight`` if it gives what ``F.linear`` gives (bfloat16: exactly;
     float32: to ``F32_RTOL``), else None."""
