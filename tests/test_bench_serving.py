@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 
@@ -120,4 +122,14 @@ def test_a_kvmosaic_peer_can_be_served_from_another_checkout(tmp_path):
     assert "only kvmosaic peers" in unavailable_reason(f"llama-cpp-server@{checkout}")
     peer = make_server_peer(f"kvmosaic-radix@{checkout}", "float32", None, None)
     argv = peer.server.args
-    assert argv[:2] == ["env", f"PYTHONPATH={checkout}"] and argv[argv.index("--prefix-cache") + 1] == "radix"
+    assert argv[argv.index("--prefix-cache") + 1] == "radix"
+    # the server imports the code at PATH, even started from this checkout's root (where `python -m`
+    # would put this checkout's kvmosaic first on sys.path)
+    other = tmp_path / "other"
+    (other / "kvmosaic").mkdir(parents=True)
+    (other / "kvmosaic" / "__init__.py").write_text("")
+    prefix = make_server_peer(f"kvmosaic-hash@{other}", "float32", None, None).server.args
+    prefix = prefix[: prefix.index(sys.executable)]
+    imported = subprocess.run([*prefix, sys.executable, "-c", "import kvmosaic; print(kvmosaic.__file__)"],
+                              cwd=checkout, capture_output=True, text=True, check=True).stdout.strip()
+    assert Path(imported) == other / "kvmosaic" / "__init__.py"

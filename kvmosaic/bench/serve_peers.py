@@ -179,7 +179,9 @@ def make_server_peer(name: str, dtype: str, threads: int | None, model_path: str
     if base in KVMOSAIC_SERVE:
         # NAME@PATH: the server runs the kvmosaic code of the checkout at PATH (e.g. an earlier
         # revision: `git worktree add /tmp/old REV`), so both are measured in one run.
-        argv = ["env", f"PYTHONPATH={Path(source).resolve()}"] if source else []
+        # run in the checkout: `python -m` puts the working directory first on sys.path, ahead of
+        # PYTHONPATH, so started from another checkout the server would import that one's code
+        argv = ["env", "-C", str(Path(source).resolve()), f"PYTHONPATH={Path(source).resolve()}"] if source else []
         argv += [sys.executable, "-m", "kvmosaic.cli", "serve", "--host", "127.0.0.1", "--port", "{port}",
                  "--log-level", "warning", "--prefix-cache", KVMOSAIC_SERVE[base], "--dtype", dtype,
                  "--kv-cache-memory", f"{KV_CACHE_GIB}G"]
