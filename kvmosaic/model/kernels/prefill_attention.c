@@ -111,15 +111,7 @@ int prefill_attention(const uint16_t *q, const uint16_t *k_pool, const uint16_t 
     const int64_t tiles = (num_tokens + rows - 1) / rows;
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < 2 * kv_heads; ++item) {
-            const int64_t g = item / 2;
-            uint16_t *kt = packed + g * per_head, *vt = kt + ctx_pad * dim;
-            if (item % 2 == 0)
-                pack_k(k_pool, slots, ctx, ctx_pad, kv_heads, g, dim, kt);
-            else
-                pack_v(v_pool, slots, ctx, ctx_pad, kv_heads, g, dim, vt);
-        }
+        pack_heads(k_pool, v_pool, slots, ctx, ctx_pad, kv_heads, dim, packed, per_head);
         /* the last rows see the most keys: hand them out first */
 #pragma omp for collapse(2) schedule(dynamic, 1)
         for (int64_t t = tiles - 1; t >= 0; --t) {

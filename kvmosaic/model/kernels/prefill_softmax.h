@@ -153,6 +153,20 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
     }
 }
 
+/* Inside a parallel region: every KV head g's context packed at packed + g * per_head, K (pack_k) then V
+ * (pack_v) ctx_pad * dim elements on, one work item per head and matrix. */
+static inline void pack_heads(const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots, int64_t ctx,
+                              int64_t ctx_pad, int64_t kv_heads, int64_t dim, uint16_t *packed, size_t per_head) {
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < 2 * kv_heads; ++item) {
+        uint16_t *kt = packed + (item / 2) * per_head;
+        if (item % 2 == 0)
+            pack_k(k_pool, slots, ctx, ctx_pad, kv_heads, item / 2, dim, kt);
+        else
+            pack_v(v_pool, slots, ctx, ctx_pad, kv_heads, item / 2, dim, kt + ctx_pad * dim);
+    }
+}
+
 #endif
 
 #endif
