@@ -73,7 +73,7 @@ static void tile_amx(const uint16_t *q, const int64_t *last, int nr, const uint1
     const int halves = nr > MAX_ROWS ? 2 : 1, live = halves * MAX_ROWS;
     int64_t reach = 0;
     for (int r = 0; r < nr; ++r) reach = last[r] + 1 > reach ? last[r] + 1 : reach;
-    memset(acc, 0, sizeof acc);
+    memset(acc, 0, sizeof(float) * AMX_ROWS * dim); /* the rows' dim columns: all that is read */
     memset(probs, 0, sizeof probs); /* a half with no real row keeps probability 0 */
     for (int64_t j0 = 0; j0 < reach; j0 += BLOCK) {
         const uint16_t *k0 = kt + j0 * dim, *k1 = k0 + 16 * dim;
