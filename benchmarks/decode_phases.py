@@ -34,6 +34,14 @@ def phase_bytes(cfg, vocab: int, element: int, context: float) -> list[float]:
     return [layers * n * element for n in per_layer] + [vocab * hidden * element]
 
 
+def phase_cell(seconds: float, nbytes: float, read: float) -> str:
+    """One phase's milliseconds a step and its read rate; "–" where the C step did not run it
+    (where oneDNN's GEMMs run on AMX the LM head is oneDNN's, outside the C step)."""
+    if seconds == 0.0:
+        return "–"
+    return f"{1e3 * seconds:.3f} ({nbytes / seconds / 1e9:.0f} GB/s, {nbytes / seconds / 1e9 / read:.0%})"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
@@ -81,7 +89,7 @@ def main() -> None:
         steps = len(walls)
         per_step = [timers[i] / steps for i in range(len(PHASES))]
         nbytes = phase_bytes(model.config, vocab, element, args.tokens + 2 + steps / 2)
-        cells = [f"{1e3 * t:.3f} ({b / t / 1e9:.0f} GB/s, {b / t / 1e9 / read:.0%})" for t, b in zip(per_step, nbytes)]
+        cells = [phase_cell(t, b, read) for t, b in zip(per_step, nbytes)]
         print(f"| {r + 1} | {read:.1f} | {1e3 * statistics.median(walls):.2f} | {1e3 * sum(per_step):.2f} | "
               + " | ".join(cells) + " |", flush=True)
 

@@ -4,8 +4,10 @@ permutation that changes no result.
 * ``from_tiles(to_tiles(w))`` is ``w``, bit for bit;
 * the C product over tiles equals the product over rows bit for bit (same products, same order),
   for a row alone and for a batch;
-* a packed projection that switched to tiles keeps one copy, still reports its weight in rows, and
-  computes its forward as before.
+* a packed projection that switched to the step's layout keeps one copy, still reports its weight
+  in rows, and computes its forward as before;
+* the layout is the CPU's (interleaved on an AMD EPYC, rows elsewhere) unless
+  ``KVMOSAIC_DECODE_LAYOUT`` says, and a wrong value is a clear error.
 """
 
 from __future__ import annotations
@@ -56,15 +58,16 @@ def test_the_product_over_tiles_equals_the_product_over_rows_bit_for_bit(dtype, 
     torch.testing.assert_close(outs[0].double(), want, rtol=tol, atol=tol)
 
 
-def test_a_packed_projection_in_tiles_keeps_one_copy_and_its_results(dtype):
+def test_a_packed_projection_in_the_step_layout_keeps_one_copy_and_its_results(dtype):
     if not packing_supported(dtype, torch.device("cpu")):
         pytest.skip("no oneDNN packing in this torch")
     w = _weight(dtype)
     layer = PackedLinear(w.clone())
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(2)).to(dtype)
     before = layer(x)
-    tiles = layer.decode_tiles()
-    assert layer.decode_tiles() is tiles  # tiled once
+    tiles = layer.decode_weight()
+    assert layer.decode_weight() is tiles  # converted once
+    assert torch.equal(tiles, decode_tiles.to_tiles(w) if decode_tiles.interleave() else w)
     assert [b.data_ptr() for b in layer.buffers()] == [tiles.data_ptr()]  # the rows were let go
     assert torch.equal(layer.weight, w)
     assert torch.equal(layer(x), before)
@@ -103,3 +106,32 @@ def test_a_packed_model_takes_the_tiled_head(dtype):
     h = torch.randn(3, model.config.hidden_size).to(dtype)
     torch.testing.assert_close(model.compute_logits(h), torch.nn.functional.linear(model.norm(h), model.output_weight).float(),
                                rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
+
+
+@pytest.fixture
+def fresh_layout():
+    """``decode_tiles.interleave`` asked anew in the test, and again after it (the environment restored)."""
+    decode_tiles.interleave.cache_clear()
+    yield
+    decode_tiles.interleave.cache_clear()
+
+
+@pytest.mark.parametrize("vendor, interleaved", [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)])
+def test_the_layout_is_the_cpus_unless_the_environment_says(vendor, interleaved, monkeypatch, fresh_layout):
+    monkeypatch.delenv(decode_tiles.LAYOUT_ENV, raising=False)
+    monkeypatch.setattr(decode_tiles, "cpu_vendor", lambda: vendor)
+    assert decode_tiles.interleave() is interleaved
+    for chosen, want in (("rows", False), ("tiles", True), (" Tiles ", True)):
+        decode_tiles.interleave.cache_clear()
+        monkeypatch.setenv(decode_tiles.LAYOUT_ENV, chosen)
+        assert decode_tiles.interleave() is want
+    decode_tiles.interleave.cache_clear()
+    monkeypatch.setenv(decode_tiles.LAYOUT_ENV, "columns")
+    with pytest.raises(ValueError, match="KVMOSAIC_DECODE_LAYOUT='columns': expected 'tiles' or 'rows'"):
+        decode_tiles.interleave()
+
+
+def test_this_cpus_vendor_is_read():
+    with open("/proc/cpuinfo") as f:
+        listed = "vendor_id" in f.read()
+    assert (decode_tiles.cpu_vendor() != "") == listed

@@ -4,7 +4,8 @@
 * Against the layer-by-layer path its logits stay within a stated tolerance (``FUSED_LOGIT_TOL``:
   both sum in float32, in another order), greedy tokens part only at near ties (float32: equal),
   and it is no further from transformers' float32 than the layer-by-layer path is.
-* A row's result does not depend on the rest of the batch: bit for bit the same alone.
+* A row's result does not depend on the rest of the batch: bit for bit the same alone; nor on
+  the weights' layout (interleaved decode tiles or rows).
 * It declines what it does not compute (int8 weights, GGUF Q4_1 ones in bfloat16, prefills in the
   step, cascade groups, ``KVMOSAIC_FUSED_DECODE=0``), and those steps run layer by layer.
 * In float32 it computes on a GGUF's Q4_1 blocks (``quantization="gguf"``) as the layer path does.
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from kvmosaic import SamplingParams
+from kvmosaic.model import decode_tiles
 from kvmosaic.model.attention import AttentionMetadata, DecodeBatch
 from kvmosaic.model.fused_decode import AMX_MAX_ROWS, FusedDecode
 from kvmosaic.model.packed_linear import amx_gemms
@@ -153,6 +155,36 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, 
     prompts = _prompts(llm.tokenizer)
     llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 9, 12)])
     assert checked and max(checked) == 3
+
+
+def _in_the_other_layout(fused: FusedDecode) -> FusedDecode:
+    """The same step over its dense weights (and head) in the layout this process does not use."""
+    convert = decode_tiles.from_tiles if fused.tiled else decode_tiles.to_tiles
+    weights = [[convert(t) if i in (0, 3, 6, 9) else t for i, t in enumerate(layer)] for layer in fused.weights]
+    other = FusedDecode(fused.model, weights, fused.dtype, tiled=not fused.tiled)
+    other.head = None if fused.head is None else (fused.head[0], convert(fused.head[1]))
+    return other
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_both_weight_layouts_give_the_same_steps_bit_for_bit(dtype, monkeypatch):
+    """Interleaved decode tiles and rows (decode_tiles.interleave: the CPU's choice) are the same
+    products in the same order: the step's hidden states and logits are the same bits."""
+    llm = _fused_llm(dtype, num_kv_blocks=128)
+    compared = []
+
+    def both(fused, x, positions, kv, meta, logits_index):
+        other = _in_the_other_layout(fused)
+        assert torch.equal(other(x, positions, kv, meta), fused(x, positions, kv, meta))
+        logits = fused.step(x, positions, kv, meta, logits_index)
+        assert torch.equal(other.step(x, positions, kv, meta, logits_index), logits)
+        compared.append(x.shape[0])
+        return logits
+
+    _around_fused_steps(llm.engine.model, monkeypatch, both)
+    llm.generate(_prompts(llm.tokenizer), [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 5, 7)])
+    assert compared and max(compared) == 3
+    llm.engine.pool.check_invariants()
 
 
 def _served_any(llm, monkeypatch) -> bool:

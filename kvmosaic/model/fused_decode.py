@@ -44,10 +44,10 @@ AMX_MAX_ROWS = 8
 
 def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
     """What the C step reads of a projection, as its ``(w, d, m)`` pointers: the ``[out, in]``
-    weight in ``dtype`` of a bias-free plain or packed projection, in decode tiles
-    (model/decode_tiles.py: a packed projection keeps them instead of its rows, a plain one gets a
-    copy; d, m none), or in float32 the Q4_1 blocks of a GGUF projection (``quant_gguf.Q4_1Linear``:
-    nibbles, scales, minima); else None."""
+    weight in ``dtype`` of a bias-free plain or packed projection, in the step's layout
+    (model/decode_tiles.py: a packed projection keeps it instead of its rows, a plain one gets a
+    copy where it is interleaved; d, m none), or in float32 the Q4_1 blocks of a GGUF projection
+    (``quant_gguf.Q4_1Linear``: nibbles, scales, minima); else None."""
     if type(module) is Q4_1Linear:
         ok = dtype == torch.float32 and module.gemv and module.qs.device.type == "cpu"
         return (module.qs, module.d, module.m) if ok else None
@@ -58,7 +58,7 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
     w = module.kept if type(module) is PackedLinear else module.weight
     if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" or not decode_tiles.tileable(w):
         return None
-    return (module.decode_tiles(),) if type(module) is PackedLinear else (decode_tiles.to_tiles(w),)
+    return (module.decode_weight(),) if type(module) is PackedLinear else (decode_tiles.to_step_layout(w),)
 
 
 def _head_in_tiles(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -76,9 +76,13 @@ def _head_in_tiles(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, 
 class FusedDecode:
     """The fused step for one model; build with :meth:`for_model` (None where it does not serve)."""
 
-    def __init__(self, model: nn.Module, weights: list[torch.Tensor], dtype: torch.dtype) -> None:
+    def __init__(self, model: nn.Module, weights: list[torch.Tensor], dtype: torch.dtype,
+                 tiled: bool | None = None) -> None:
         cfg = model.config
         self.model, self.dtype = model, dtype
+        # whether the dense weights (and a head in the step) are interleaved decode tiles, else rows:
+        # the process's layout (decode_tiles.interleave), in which the weights were converted
+        self.tiled = decode_tiles.interleave() if tiled is None else tiled
         # [layer][(w, d, m) of qkv, o, gate_up, down, norm1, norm2]: the C step's pointers, kept alive
         self.weights = weights
         # (final norm weight, head tiles) when the head is the C product over decode tiles in the
@@ -197,4 +201,5 @@ class FusedDecode:
             pointers, layers, hidden, inter, heads, kv_heads, dim, self.eps, self.scale,
             *(None if t is None else t.data_ptr() for t in tensors), max_len, batch,
             *(None if t is None else t.data_ptr() for t in (norm, tiles)), 0 if tiles is None else tiles.shape[0],
-            None if logits is None else logits.data_ptr(), int(self.dtype == torch.bfloat16), torch.get_num_threads())
+            None if logits is None else logits.data_ptr(), int(self.tiled), int(self.dtype == torch.bfloat16),
+            torch.get_num_threads())

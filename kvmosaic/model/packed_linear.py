@@ -23,25 +23,27 @@ class PackedLinear(nn.Module):
     """A bias-free linear layer over a weight packed for oneDNN. Input ``[tokens, in]``.
 
     Besides oneDNN's copy it keeps the weight itself for the fused decode step, in rows or, once
-    :meth:`decode_tiles` was called, in that step's tiles instead (model/decode_tiles.py):
+    :meth:`decode_weight` was called, in that step's layout instead (model/decode_tiles.py):
     one copy either way, since ``forward`` reads only oneDNN's."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
-        self.register_buffer("kept", weight.detach(), persistent=False)  # rows, or decode tiles once _tiled
-        self._tiled = False
+        self.register_buffer("kept", weight.detach(), persistent=False)  # rows, or the step's layout once _in_step_layout
+        self._in_step_layout = False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
 
     @property
     def weight(self) -> torch.Tensor:
-        """The ``[out, in]`` weight (a copy, rebuilt from the tiles, after :meth:`decode_tiles`)."""
-        return decode_tiles.from_tiles(self.kept) if self._tiled else self.kept
+        """The ``[out, in]`` weight (after :meth:`decode_weight`, rebuilt from the step's layout: a copy
+        where it is interleaved)."""
+        return decode_tiles.from_step_layout(self.kept) if self._in_step_layout else self.kept
 
-    def decode_tiles(self) -> torch.Tensor:
-        """The weight in decode tiles, kept from now on instead of the rows (``tileable`` must hold)."""
-        if not self._tiled:
-            self.kept, self._tiled = decode_tiles.to_tiles(self.kept), True
+    def decode_weight(self) -> torch.Tensor:
+        """The weight in the fused decode step's layout (``decode_tiles.to_step_layout``), kept from
+        now on instead of the rows (``tileable`` must hold)."""
+        if not self._in_step_layout:
+            self.kept, self._in_step_layout = decode_tiles.to_step_layout(self.kept), True
         return self.kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

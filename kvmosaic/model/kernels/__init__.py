@@ -117,7 +117,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         "q4_1_matmul": (i32, [ptr] * 4 + [i32, i64, i64, i64, ptr, i32, i32]),
         "q4_1_dequantize": (i32, [ptr] * 3 + [i64, i64, ptr, i32, i32]),
         "q8_0_matmul": (i32, [ptr] * 3 + [i64] * 3 + [ptr, i32]),
-        "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, ptr, ptr, i64, ptr, i32, i32]),
+        "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, ptr, ptr, i64, ptr, i32, i32, i32]),
         "linear_rows": (i32, [ptr, i64, i64, i32, ptr, i64, ptr, i32, i32]),
         "decode_tile_shape": (i32, [i32, ptr]),
         "prefill_attention": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),

@@ -125,9 +125,11 @@ INLINE void static_share(int64_t n, int me, int team, int64_t *lo, int64_t *hi) 
 /* The weights of the step's projections are laid out in decode tiles (decode_tile_shape,
  * model/decode_tiles.py): a tile's CHANNELS rows occupy the same CHANNELS * in elements as in row order, interleaved by
  * LANES (float32; LANES_BF16 for bfloat16: one vector load), so that a tile is read as one sequential stream, (c, i) at
- * (i / LANES) * CHANNELS * LANES + c * LANES + i % LANES. The hardware prefetcher follows one
- * stream better than CHANNELS rows read side by side: ~10-15% more read bandwidth in float32 (measured, AVX2
- * EPYC), more in bfloat16 on a Zen 4 EPYC (BENCHMARKS.md). The products and their order are those of the row layout. */
+ * (i / LANES) * CHANNELS * LANES + c * LANES + i % LANES. An AMD EPYC's hardware prefetcher follows one
+ * stream better than CHANNELS rows read side by side: ~10-15% more read bandwidth in float32 (AVX2 EPYC), ~1.5x
+ * in bfloat16 (Zen 4); an AMX Xeon reads the rows (prefetched by hand) ~1.1x / ~1.5x faster (BENCHMARKS.md).
+ * So the layout is a runtime argument (``tiled``), chosen per CPU (model/decode_tiles.py's interleave). The
+ * products and their order are those of the row layout. */
 #if defined(__AVX512F__)
 #define LANES 16
 #else
@@ -250,7 +252,6 @@ static void gate_up_silu_q4_1(Weight w, int64_t in, int64_t inter, const float *
 #define FROM_F(x) (x)
 #define ROUND(x) (x)
 #define IS_BF16 0
-#define STEP_TILED 1
 #include "decode_step_layers.h"
 #undef ELEM
 #undef NAME
@@ -258,7 +259,6 @@ static void gate_up_silu_q4_1(Weight w, int64_t in, int64_t inter, const float *
 #undef FROM_F
 #undef ROUND
 #undef IS_BF16
-#undef STEP_TILED
 
 #if defined(__AVX512BF16__)
 #define LANES_BF16 32 /* bfloat16 elements in one vector: a decode tile's interleave */
@@ -298,7 +298,6 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
 #define FROM_F(x) float_to_bf16(x)
 #define ROUND(x) round_bf16(x)
 #define IS_BF16 1
-#define STEP_TILED 1
 #include "decode_step_layers.h"
 #endif
 #endif
@@ -308,17 +307,18 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
  *
  * layers: num_layers * 16 pointers, per layer: the projections qkv [(H + 2 Hkv) D, hidden], o [hidden,
  * H D], gate_up [2 inter, hidden], down [hidden, inter] as three pointers each, (w, d, m): the
- * weight in the dtype, contiguous, in decode tiles (decode_tile_shape), d and m NULL; or (float32 only) Q4_1 blocks, w the nibbles [out, in / 2],
+ * weight in the dtype, contiguous, in decode tiles (decode_tile_shape) when tiled, else in rows, d and m NULL; or (float32 only) Q4_1 blocks, w the nibbles [out, in / 2],
  * d and m [out, in / 32]; then the input and post-attention norm weights [hidden], the layer's K
  * and V pools [num_slots, Hkv, D] (the dtype);
  * stream [batch, hidden] in the dtype: the embeddings in, the final hidden state out;
  * cos, signed_sin [batch, D] float32 (model/llama.py's tables at the tokens' positions);
  * slot_mapping [batch]: where each token's K/V goes; ctx_slots [batch, max_len] and lens [batch]:
  * each sequence's context, the new token last.
- * head_norm [hidden], head [vocab, hidden] in decode tiles (the dtype), logits [batch, vocab] float32:
+ * head_norm [hidden], head [vocab, hidden] in the projections' layout (the dtype), logits [batch, vocab] float32:
  * with logits non-NULL, also the model's final RMSNorm and LM head over every row, each logit
  * rounded to the dtype and widened (what linear_rows and a widening give after the step); NULL:
  * the hidden state only.
+ * tiled: 1 where the dense weights are in decode tiles, 0 in rows (the same products either way).
  * bf16: 1 for bfloat16, 0 for float32.
  * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for
  * bfloat16), -3 out of memory; with batch 0 it only answers whether it serves the shapes. */
@@ -326,7 +326,7 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
                 int64_t kv_heads, int64_t dim, float eps, float scale, void *stream, const float *cos,
                 const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots, const int64_t *lens,
                 int64_t max_len, int64_t batch, const void *head_norm, const void *head, int64_t vocab, float *logits,
-                int bf16, int num_threads) {
+                int tiled, int bf16, int num_threads) {
 #if defined(FUSED_F32)
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
@@ -345,18 +345,19 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
 #if defined(__AVX512BF16__)
         return batch == 0 ? 0 : decode_step_bf16(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
                                                  stream, cos, signed_sin, slot_mapping, ctx_slots, lens, max_len, batch,
-                                                 head_norm, head, vocab, logits, num_threads);
+                                                 head_norm, head, vocab, logits, tiled, num_threads);
 #else
         return -2;
 #endif
     }
     return batch == 0 ? 0 : decode_step_f32(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
                                             stream, cos, signed_sin, slot_mapping, ctx_slots, lens, max_len, batch,
-                                            head_norm, head, vocab, logits, num_threads);
+                                            head_norm, head, vocab, logits, tiled, num_threads);
 #else
     (void)layers, (void)num_layers, (void)hidden, (void)inter, (void)heads, (void)kv_heads, (void)dim, (void)eps;
     (void)scale, (void)stream, (void)cos, (void)signed_sin, (void)slot_mapping, (void)ctx_slots, (void)lens;
-    (void)max_len, (void)batch, (void)head_norm, (void)head, (void)vocab, (void)logits, (void)bf16, (void)num_threads;
+    (void)max_len, (void)batch, (void)head_norm, (void)head, (void)vocab, (void)logits, (void)tiled, (void)bf16;
+    (void)num_threads;
     return -2;
 #endif
 }

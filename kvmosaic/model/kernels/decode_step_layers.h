@@ -1,10 +1,11 @@
 /* The fused decode step's layers for one dtype (decode_step.c includes this once per dtype, with
- * ELEM, NAME, TO_F, FROM_F, ROUND, IS_BF16, STEP_TILED and a NAME(dot_tile) defined). STEP_TILED:
- * whether the step's dense projections are in decode tiles (decode_step.c) rather than rows. */
+ * ELEM, NAME, TO_F, FROM_F, ROUND, IS_BF16 and a NAME(dot_tile) defined). A ``tiled`` argument says
+ * whether the step's dense weights are in decode tiles (decode_step.c) or in rows: the layout this
+ * CPU reads faster (model/decode_tiles.py's interleave), the same products either way. */
 
 /* dot_tile with the row count a constant, so the accumulators stay in registers. */
-static void NAME(dots)(const ELEM *w, int64_t in, int tiled, int prefetch, const ELEM *x, int64_t x_stride, int nr,
-                       float out[ROWS][CHANNELS]) {
+static void NAME(dots_in)(const ELEM *w, int64_t in, int tiled, int prefetch, const ELEM *x, int64_t x_stride,
+                          int nr, float out[ROWS][CHANNELS]) {
     switch (nr) {
     case 1: NAME(dot_tile)(w, in, tiled, prefetch, x, x_stride, 1, out); break;
 #if ROWS > 2
@@ -13,6 +14,13 @@ static void NAME(dots)(const ELEM *w, int64_t in, int tiled, int prefetch, const
 #endif
     default: NAME(dot_tile)(w, in, tiled, prefetch, x, x_stride, ROWS, out); break;
     }
+}
+
+/* dots_in with the layout a constant too, so a tile's addressing folds. */
+static void NAME(dots)(const ELEM *w, int64_t in, int tiled, int prefetch, const ELEM *x, int64_t x_stride, int nr,
+                       float out[ROWS][CHANNELS]) {
+    if (tiled) NAME(dots_in)(w, in, 1, prefetch, x, x_stride, nr, out);
+    else NAME(dots_in)(w, in, 0, prefetch, x, x_stride, nr, out);
 }
 
 /* y [batch, out] = x [batch, in] @ w [out, in]^T (rounded to the dtype; w in decode tiles when tiled);
@@ -39,10 +47,10 @@ static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled
     }
 }
 
-/* project_rows for a Weight: dense rows, or (float32) Q4_1 blocks; xsum: this thread's block-sum buffer;
- * kv as project_rows' (dense rows only). */
-static void NAME(project)(Weight w, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y, float *xsum,
-                          KvPrefetch *kv) {
+/* project_rows for a Weight: dense (in decode tiles when tiled), or (float32) Q4_1 blocks; xsum: this
+ * thread's block-sum buffer; kv as project_rows' (dense weights only). */
+static void NAME(project)(Weight w, int tiled, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y,
+                          float *xsum, KvPrefetch *kv) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (w.d != NULL) {
         project_q4_1(w, in, out, x, batch, y, xsum);
@@ -50,14 +58,14 @@ static void NAME(project)(Weight w, int64_t in, int64_t out, const ELEM *x, int6
     }
 #endif
     (void)xsum;
-    NAME(project_rows)(w.w, in, out, STEP_TILED, x, batch, y, NULL, kv);
+    NAME(project_rows)(w.w, in, out, tiled, x, batch, y, NULL, kv);
 }
 
 /* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
  * the dtype first, silu (elementwise.h's, as the layer path's) and the product too (w [2 * inter,
- * in]: gate rows, then up rows; dense, or Q4_1 blocks in float32). */
-static void NAME(gate_up_silu)(Weight weight, int64_t in, int64_t inter, const ELEM *x, int64_t batch, ELEM *act,
-                               float *xsum) {
+ * in]: gate rows, then up rows; dense, in decode tiles when tiled, or Q4_1 blocks in float32). */
+static void NAME(gate_up_silu)(Weight weight, int tiled, int64_t in, int64_t inter, const ELEM *x, int64_t batch,
+                               ELEM *act, float *xsum) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (weight.d != NULL) {
         gate_up_silu_q4_1(weight, in, inter, x, batch, act, xsum);
@@ -66,14 +74,14 @@ static void NAME(gate_up_silu)(Weight weight, int64_t in, int64_t inter, const E
 #endif
     (void)xsum;
     const ELEM *w = weight.w;
-    const int prefetch = prefetch_next(STEP_TILED, batch);
+    const int prefetch = prefetch_next(tiled, batch);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < inter / CHANNELS; ++t) {
         for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
             const int nr = batch - r0 < ROWS ? (int)(batch - r0) : ROWS;
             float gate[ROWS][CHANNELS], up[ROWS][CHANNELS];
-            NAME(dots)(w + t * CHANNELS * in, in, STEP_TILED, prefetch, x + r0 * in, in, nr, gate);
-            NAME(dots)(w + (inter + t * CHANNELS) * in, in, STEP_TILED, prefetch, x + r0 * in, in, nr, up);
+            NAME(dots)(w + t * CHANNELS * in, in, tiled, prefetch, x + r0 * in, in, nr, gate);
+            NAME(dots)(w + (inter + t * CHANNELS) * in, in, tiled, prefetch, x + r0 * in, in, nr, up);
             for (int r = 0; r < nr; ++r)
                 for (int c = 0; c < CHANNELS; ++c) {
                     const float g = ROUND(gate[r][c]);
@@ -127,7 +135,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                              int64_t kv_heads, int64_t dim, float eps, float scale, ELEM *stream, const float *cos,
                              const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots,
                              const int64_t *lens, int64_t max_len, int64_t batch, const ELEM *head_norm,
-                             const ELEM *head, int64_t vocab, float *logits, int num_threads) {
+                             const ELEM *head, int64_t vocab, float *logits, int tiled, int num_threads) {
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (num_threads < 1) num_threads = 1;
@@ -197,7 +205,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             }
             KvPrefetch kv = kv_first; /* this layer's pools, the same keys */
             kv.k_pool = (const char *)k_pool, kv.v_pool = (const char *)v_pool;
-            NAME(project)(w_qkv, hidden, qkv_width, h, batch, wide, xsum, &kv);
+            NAME(project)(w_qkv, tiled, hidden, qkv_width, h, batch, wide, xsum, &kv);
             PHASE_MARK(0)
             for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q);
 #pragma omp barrier
@@ -212,14 +220,14 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                     for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
                 }
             }
-            NAME(project)(w_o, q_width, hidden, attn, batch, delta, xsum, NULL);
+            NAME(project)(w_o, tiled, q_width, hidden, attn, batch, delta, xsum, NULL);
             PHASE_MARK(2)
             NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm2, h, batch, hidden, eps,
                          share_lo, share_hi);
             ++updates;
-            NAME(gate_up_silu)(w_gate_up, hidden, inter, h, batch, wide, xsum);
+            NAME(gate_up_silu)(w_gate_up, tiled, hidden, inter, h, batch, wide, xsum);
             PHASE_MARK(3)
-            NAME(project)(w_down, inter, hidden, wide, batch, delta, xsum, NULL);
+            NAME(project)(w_down, tiled, inter, hidden, wide, batch, delta, xsum, NULL);
             PHASE_MARK(4)
         }
         const ELEM *last = buffers[updates % 2];
@@ -232,7 +240,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             for (int64_t i = 0; i < rows; ++i) res[i] = FROM_F(TO_F(last[i]) + TO_F(delta[i]));
             for (int64_t b = 0; b < batch; ++b)
                 rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
-            NAME(project_rows)(head, hidden, vocab, 1, h, batch, NULL, logits, NULL);
+            NAME(project_rows)(head, hidden, vocab, tiled, h, batch, NULL, logits, NULL);
             PHASE_MARK(5)
         }
     }
