@@ -80,37 +80,9 @@ typedef struct {
  * the step 1.5-3.5% faster at batch 1, 3-10% at 4, 4% at 8, 9% at 16, the same at 32;
  * BENCHMARKS.md). Prefetches only: the results do not change. */
 #define KV_PREFETCH_BYTES ((int64_t)4 << 20)
-typedef struct {
-    const char *k_pool, *v_pool;
-    const int64_t *first, *lens, *ctx_slots;
-    int64_t batch, max_len, row_bytes;
-    int64_t task, end_task;     /* the next task whose keys are asked for, and the end of this thread's */
-    int64_t slot0, key, keys;   /* that task's first slot (index into ctx_slots), next key, key count */
-    int64_t per_tile;           /* keys asked for per weight tile */
-} KvPrefetch;
-
-/* Points kv at task t's keys (t < end_task). */
-INLINE void kv_prefetch_task(KvPrefetch *kv, int64_t t) {
-    int64_t b, c;
-    paged_decode_task(kv->first, kv->batch, t, &b, &c);
-    const int64_t begin = c * DECODE_CHUNK;
-    kv->task = t, kv->key = 0, kv->slot0 = b * kv->max_len + begin;
-    kv->keys = kv->lens[b] - begin < DECODE_CHUNK ? kv->lens[b] - begin : DECODE_CHUNK;
-}
-
+/* A weight tile's share of the thread's K/V rows: the rows asked for per tile (per_tile). */
 INLINE void kv_prefetch_tile(KvPrefetch *kv) {
-    if (kv == NULL) return;
-    for (int64_t j = 0; j < kv->per_tile && kv->task < kv->end_task; ++j) {
-        const int64_t row = kv->ctx_slots[kv->slot0 + kv->key] * kv->row_bytes;
-        for (int64_t offset = 0; offset < kv->row_bytes; offset += 64) {
-            __builtin_prefetch(kv->k_pool + row + offset, 0, 2);
-            __builtin_prefetch(kv->v_pool + row + offset, 0, 2);
-        }
-        if (++kv->key == kv->keys) {
-            if (kv->task + 1 < kv->end_task) kv_prefetch_task(kv, kv->task + 1);
-            else kv->task = kv->end_task;
-        }
-    }
+    if (kv != NULL) kv_prefetch_rows(kv, kv->per_tile);
 }
 
 /* [lo, hi) of n iterations for thread me of team: schedule(static)'s split, as libgomp makes it. */

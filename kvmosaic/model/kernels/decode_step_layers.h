@@ -94,15 +94,16 @@ static void NAME(gate_up_silu)(Weight weight, int tiled, int64_t in, int64_t int
 /* One attention task of decode_step: one chunk of one row, every kv head: the head's group of q
  * heads rotated (a private copy, q_rot then q: the row's other chunks read them too), attending the
  * chunk's keys; the chunk that holds the new token rotates its K and writes its K/V to the pool
- * first (rotating it in place in wide, the QKV projection's rows); the partial results go to a->parts. */
+ * first (rotating it in place in wide, the QKV projection's rows); the partial results go to a->parts.
+ * kv: the thread's K/V cursor (this task's rows asked for unless it did, the next tasks' as it goes). */
 static void NAME(attention_task)(const AttentionStep *a, int64_t t, ELEM *wide, ELEM *k_pool, ELEM *v_pool, ELEM *q_rot,
-                                 float *q) {
+                                 float *q, KvPrefetch *kv) {
     const int64_t dim = a->dim, group = a->group, kv_width = a->kv_width;
     int64_t b, c;
     paged_decode_task(a->first, a->batch, t, &b, &c);
     const int64_t len = a->lens[b], begin = c * DECODE_CHUNK, n = len - begin < DECODE_CHUNK ? len - begin : DECODE_CHUNK;
     const int64_t *slots = a->ctx_slots + b * a->max_len + begin;
-    paged_decode_prefetch(k_pool, v_pool, slots, n, kv_width * (int64_t)sizeof(ELEM));
+    kv_prefetch_before(kv, t);
     for (int64_t g = 0; g < a->kv_heads; ++g) {
         ELEM *row = wide + b * a->qkv_width, *k = row + a->q_width + g * dim, *v = k + kv_width;
         memcpy(q_rot, row + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
@@ -115,7 +116,7 @@ static void NAME(attention_task)(const AttentionStep *a, int64_t t, ELEM *wide, 
         }
         const int64_t part = decode_part(a->first, a->kv_heads, b, g, c);
         paged_decode_head(q, k_pool, v_pool, IS_BF16, IS_BF16, slots, n, a->kv_heads, dim, g, group, a->scale,
-                          a->parts + part * group * dim, a->part_lse + part * group);
+                          a->parts + part * group * dim, a->part_lse + part * group, kv);
     }
 }
 
@@ -175,12 +176,13 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         int64_t updates = 0;
         const int64_t share_lo = rows * me / team, share_hi = rows * (me + 1) / team;
         /* this thread's attention tasks [lo, hi), the same in every layer, and their K/V asked for
-         * during each layer's QKV projection (KvPrefetch: the keys of task lo on, per_tile a weight tile) */
+         * during each layer's QKV projection (KvPrefetch: the keys of task lo on, per_tile a weight tile)
+         * and on during attention (a key per kv_heads keys attended) */
         int64_t lo, hi, tiles_lo, tiles_hi, keys = 0;
         static_share(tasks, me, team, &lo, &hi);
         static_share(qkv_width / CHANNELS, me, team, &tiles_lo, &tiles_hi);
         KvPrefetch kv_first = {NULL, NULL, first, lens, ctx_slots, batch, max_len, kv_width * (int64_t)sizeof(ELEM), lo, hi,
-                               0, 0, 0, 0};
+                               0, 0, 0, 0, kv_heads, 0};
         for (int64_t t = hi - 1; t >= lo; --t) {
             kv_prefetch_task(&kv_first, t);
             keys += kv_first.keys;
@@ -207,7 +209,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             kv.k_pool = (const char *)k_pool, kv.v_pool = (const char *)v_pool;
             NAME(project)(w_qkv, tiled, hidden, qkv_width, h, batch, wide, xsum, &kv);
             PHASE_MARK(0)
-            for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q);
+            for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q, &kv);
 #pragma omp barrier
             PHASE_MARK(1)
 #pragma omp for collapse(2) schedule(static)

@@ -13,6 +13,7 @@
  * resolves to the runtime torch has already loaded (libgomp.so.1), so torch.set_num_threads
  * and this kernel share one thread pool.
  */
+#include <omp.h>
 #include <stdlib.h>
 
 #include "paged_decode.h"
@@ -93,13 +94,15 @@ static inline __attribute__((always_inline)) void finish_rows(const float *acc, 
  * count. */
 static inline __attribute__((always_inline)) void attend_one(
     const float *q, const void *k_pool, const void *v_pool, int kv_bf16, const int64_t *seq_slots, int64_t len,
-    int64_t kv_heads, const int64_t dim, int64_t g, int64_t group, float scale, float *out, float *lse) {
+    int64_t kv_heads, const int64_t dim, int64_t g, int64_t group, float scale, float *out, float *lse,
+    KvPrefetch *ahead) {
     float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], s[MAX_GROUP * TILE];
     float row[MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
     start_rows(q, scale, group, dim, qs, acc, m, l);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
+            kv_prefetch_key(ahead);
             load_row(k_pool, kv_bf16, (seq_slots[t0 + j] * kv_heads + g) * dim, dim, row);
             for (int64_t r = 0; r < group; ++r) {
                 const float *qr = qs + r * dim;
@@ -159,7 +162,8 @@ static inline __attribute__((always_inline)) float softmax_tile_x16(float *score
  * attend_avx512bf16), so the queries and accumulators stay in registers. */
 static inline __attribute__((always_inline)) void attend_one_avx512bf16(
     const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *seq_slots, int64_t len,
-    int64_t kv_heads, const int64_t dim, int64_t g, const int64_t group, float scale, float *out, float *lse) {
+    int64_t kv_heads, const int64_t dim, int64_t g, const int64_t group, float scale, float *out, float *lse,
+    KvPrefetch *ahead) {
     __m512bh qb[MAX_GROUP][MAX_DIM / 32];
     __m512 acc[MAX_GROUP][MAX_DIM / 16];
     float s[MAX_GROUP * TILE], m[MAX_GROUP], l[MAX_GROUP];
@@ -174,6 +178,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
+            kv_prefetch_key(ahead);
             const int64_t row = (seq_slots[t0 + j] * kv_heads + g) * dim;
             const uint16_t *krow = k_pool + row;
             if (t0 + j + PREFETCH < len) {
@@ -214,8 +219,8 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
 /* attend_one_avx512bf16 with a constant head size and group, where they are common ones. */
 static void attend_avx512bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *seq_slots,
                               int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group, float scale,
-                              float *out, float *lse) {
-#define CALL(G, D) attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse)
+                              float *out, float *lse, KvPrefetch *ahead) {
+#define CALL(G, D) attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse, ahead)
     WITH_CONSTANT_SHAPE(CALL);
 #undef CALL
 }
@@ -239,7 +244,8 @@ static inline __m256 sum_lanes_8(const __m256 *v) {
  * Inlined with constant (group, dim) for the common shapes (see attend_avx2_f32). */
 static inline __attribute__((always_inline)) void attend_one_avx2_f32(
     const float *q, const float *k_pool, const float *v_pool, const int64_t *seq_slots, int64_t len,
-    int64_t kv_heads, const int64_t dim, int64_t g, const int64_t group, float scale, float *out, float *lse) {
+    int64_t kv_heads, const int64_t dim, int64_t g, const int64_t group, float scale, float *out, float *lse,
+    KvPrefetch *ahead) {
     float qs[MAX_GROUP * MAX_DIM] __attribute__((aligned(32))), acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
     float s[MAX_GROUP * TILE] __attribute__((aligned(32))), m[MAX_GROUP], l[MAX_GROUP];
     const float *rows[TILE];
@@ -247,6 +253,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2_f32(
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
+            kv_prefetch_key(ahead);
             rows[j] = k_pool + (seq_slots[t0 + j] * kv_heads + g) * dim;
             if (t0 + j + PREFETCH < len) {
                 const float *ahead = k_pool + (seq_slots[t0 + j + PREFETCH] * kv_heads + g) * dim;
@@ -298,40 +305,40 @@ static inline __attribute__((always_inline)) void attend_one_avx2_f32(
 /* attend_one_avx2_f32 with a constant head size and group, where they are common ones. */
 static void attend_avx2_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *seq_slots,
                             int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group, float scale,
-                            float *out, float *lse) {
-#define CALL(G, D) attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse)
+                            float *out, float *lse, KvPrefetch *ahead) {
+#define CALL(G, D) attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse, ahead)
     WITH_CONSTANT_SHAPE(CALL);
 #undef CALL
 }
 #endif
 
 /* One (sequence, kv head): the group's ``group`` query heads ``q`` [group, D] float32 over the
- * first ``len`` of ``seq_slots``; writes out [group, D] and lse [group]. The AVX512-BF16 path
- * where the pool is bfloat16, the queries bfloat16 values and D a multiple of 32. Shared with
- * decode_step.c (paged_decode.h). */
+ * first ``len`` of ``seq_slots``; writes out [group, D] and lse [group]; ahead (NULL: none) asked a
+ * row per key. The AVX512-BF16 path where the pool is bfloat16, the queries bfloat16 values and D a
+ * multiple of 32. Shared with decode_step.c (paged_decode.h). */
 void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
                        const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
-                       float scale, float *out, float *lse) {
+                       float scale, float *out, float *lse, KvPrefetch *ahead) {
 #ifdef HAVE_AVX512_BF16
     if (kv_bf16 && q_bf16_exact && dim % 32 == 0) {
         attend_avx512bf16(q, (const uint16_t *)k_pool, (const uint16_t *)v_pool, seq_slots, len, kv_heads, dim, g,
-                          group, scale, out, lse);
+                          group, scale, out, lse, ahead);
         return;
     }
 #endif
 #ifdef HAVE_AVX2_F32
     if (!kv_bf16 && dim % 32 == 0) {
         attend_avx2_f32(q, (const float *)k_pool, (const float *)v_pool, seq_slots, len, kv_heads, dim, g, group, scale,
-                        out, lse);
+                        out, lse, ahead);
         return;
     }
 #endif
     if (dim == 64)
-        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 64, g, group, scale, out, lse);
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 64, g, group, scale, out, lse, ahead);
     else if (dim == 128)
-        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 128, g, group, scale, out, lse);
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 128, g, group, scale, out, lse, ahead);
     else
-        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, dim, g, group, scale, out, lse);
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, dim, g, group, scale, out, lse, ahead);
 }
 
 void paged_decode_merge(const float *parts, const float *part_lse, int64_t chunks, int64_t group, int64_t dim, float *out,
@@ -404,20 +411,24 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
     float *part_lse = parts + kv_heads * tasks * group * dim;
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; ++t) {
+        /* this thread's tasks, in order, each one's K/V asked for while the one before it is attended */
+        const int me = omp_get_thread_num(), team = omp_get_num_threads();
+        const int64_t lo = tasks * me / team, hi = tasks * (me + 1) / team;
+        const int64_t row_bytes = kv_heads * dim * (kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
+        KvPrefetch ahead = {k_pool, v_pool, first, lens, slots, batch, max_len, row_bytes, lo, hi, 0, 0, 0, 0, kv_heads, 0};
+        for (int64_t t = lo; t < hi; ++t) {
             int64_t b, c;
             paged_decode_task(first, batch, t, &b, &c);
             const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
-            paged_decode_prefetch(k_pool, v_pool, slots + b * max_len + begin, n,
-                                  kv_heads * dim * (kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float)));
+            kv_prefetch_before(&ahead, t);
             for (int64_t g = 0; g < kv_heads; ++g) {
                 const int64_t part = decode_part(first, kv_heads, b, g, c);
                 paged_decode_head(q + (b * heads + g * group) * dim, k_pool, v_pool, kv_bf16, q_bf16_exact,
                                   slots + b * max_len + begin, n, kv_heads, dim, g, group, scale,
-                                  parts + part * group * dim, part_lse + part * group);
+                                  parts + part * group * dim, part_lse + part * group, &ahead);
             }
         }
+#pragma omp barrier
 #pragma omp for collapse(2)
         for (int64_t b = 0; b < batch; ++b) {
             for (int64_t g = 0; g < kv_heads; ++g) {

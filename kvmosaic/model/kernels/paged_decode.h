@@ -14,9 +14,6 @@
 
 static inline int64_t decode_chunks(int64_t len) { return (len + DECODE_CHUNK - 1) / DECODE_CHUNK; }
 
-void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
-                       const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
-                       float scale, float *out, float *lse);
 
 /* out [group, D], lse [group] from ``chunks`` partial results of one (sequence, kv head),
  * parts [chunks, group, D] and part_lse [chunks, group] in chunk order. */
@@ -36,6 +33,72 @@ void paged_decode_prefetch(const void *k_pool, const void *v_pool, const int64_t
 
 /* The (sequence, chunk) of task t: a binary search in first. */
 void paged_decode_task(const int64_t *first, int64_t batch, int64_t t, int64_t *b, int64_t *chunk);
+
+/* A thread's cursor over the K and V rows of its coming attention tasks [task, end_task), asking for
+ * them into L2 a few rows at a time while the thread computes something else: the fused step's QKV
+ * projection (per_tile rows a weight tile), and the attention itself (a row every ``every`` keys
+ * attended: with ``every`` the kv head count, a task's rows come in while the task before it is
+ * attended). Asked for all at once, a task's lines fill the core's miss buffers and the thread waits
+ * on them with nothing to compute (on an AMX Xeon, a batch-16 step's attention 15.2 against 12.2 ms
+ * so; BENCHMARKS.md, issue 26, eighth session). Prefetches only: no result depends on them. */
+typedef struct {
+    const char *k_pool, *v_pool;
+    const int64_t *first, *lens, *ctx_slots;
+    int64_t batch, max_len, row_bytes;
+    int64_t task, end_task;   /* the next task whose keys are asked for, and the end of this thread's */
+    int64_t slot0, key, keys; /* that task's first slot (index into ctx_slots), next key, key count */
+    int64_t per_tile;         /* keys asked for per weight tile */
+    int64_t every, tick;      /* during attention: a key asked for every ``every`` keys attended */
+} KvPrefetch;
+
+/* Points kv at task t's keys (t < end_task). */
+static inline void kv_prefetch_task(KvPrefetch *kv, int64_t t) {
+    int64_t b, c;
+    paged_decode_task(kv->first, kv->batch, t, &b, &c);
+    const int64_t begin = c * DECODE_CHUNK;
+    kv->task = t, kv->key = 0, kv->slot0 = b * kv->max_len + begin;
+    kv->keys = kv->lens[b] - begin < DECODE_CHUNK ? kv->lens[b] - begin : DECODE_CHUNK;
+}
+
+/* Asks for the next ``rows`` keys' K and V rows (whole slot rows, every head). */
+static inline void kv_prefetch_rows(KvPrefetch *kv, int64_t rows) {
+    for (int64_t j = 0; j < rows && kv->task < kv->end_task; ++j) {
+        const int64_t row = kv->ctx_slots[kv->slot0 + kv->key] * kv->row_bytes;
+        for (int64_t offset = 0; offset < kv->row_bytes; offset += 64) {
+            __builtin_prefetch(kv->k_pool + row + offset, 0, 2); /* prefetcht1: to L2 */
+            __builtin_prefetch(kv->v_pool + row + offset, 0, 2);
+        }
+        if (++kv->key == kv->keys) {
+            if (kv->task + 1 < kv->end_task) kv_prefetch_task(kv, kv->task + 1);
+            else kv->task = kv->end_task;
+        }
+    }
+}
+
+/* Called once per key attended (NULL: nothing): a row every ``every`` calls. */
+static inline __attribute__((always_inline)) void kv_prefetch_key(KvPrefetch *kv) {
+    if (kv == NULL || ++kv->tick < kv->every) return;
+    kv->tick = 0;
+    kv_prefetch_rows(kv, 1);
+}
+
+/* Before attending task t (one of kv's): its rows asked for at once unless the cursor already asked
+ * for them all, and the cursor moved past it. */
+static inline void kv_prefetch_before(KvPrefetch *kv, int64_t t) {
+    if (t < kv->task) return;
+    int64_t b, c;
+    paged_decode_task(kv->first, kv->batch, t, &b, &c);
+    const int64_t begin = c * DECODE_CHUNK, n = kv->lens[b] - begin < DECODE_CHUNK ? kv->lens[b] - begin : DECODE_CHUNK;
+    paged_decode_prefetch(kv->k_pool, kv->v_pool, kv->ctx_slots + b * kv->max_len + begin, n, kv->row_bytes);
+    if (t + 1 < kv->end_task) kv_prefetch_task(kv, t + 1);
+    else kv->task = kv->end_task;
+}
+
+/* The group's queries of kv head g over one run of a sequence's slots: out [group, D], lse [group]
+ * (paged_decode.c); ahead: the thread's cursor, asked a row per key attended (NULL: none). */
+void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
+                       const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
+                       float scale, float *out, float *lse, KvPrefetch *ahead);
 
 /* Where the partial result of (sequence b, kv head g, chunk c) goes among a step's kv_heads *
  * first[batch]: a (sequence, kv head)'s chunks side by side, in order, as paged_decode_merge
