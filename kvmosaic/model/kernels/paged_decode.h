@@ -14,7 +14,6 @@
 
 static inline int64_t decode_chunks(int64_t len) { return (len + DECODE_CHUNK - 1) / DECODE_CHUNK; }
 
-
 /* out [group, D], lse [group] from ``chunks`` partial results of one (sequence, kv head),
  * parts [chunks, group, D] and part_lse [chunks, group] in chunk order. */
 void paged_decode_merge(const float *parts, const float *part_lse, int64_t chunks, int64_t group, int64_t dim, float *out,
