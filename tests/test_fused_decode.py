@@ -135,8 +135,10 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, 
 
     def check_rows(fused, x, positions, kv, meta, logits_index):
         batched = fused(x, positions, kv, meta)
-        # a GGUF's Q8_0 head runs after the step, as oneDNN's packed head where it runs on AMX tiles
-        assert (fused.head is not None) == (quantization is None and not amx_gemms(fused.dtype))
+        # a GGUF's Q8_0 head runs after the step; oneDNN's packed head (where it runs on AMX tiles) is
+        # read by the step where the step reads rows
+        assert (fused.head is not None) == (quantization is None
+                                            and (not amx_gemms(fused.dtype) or not decode_tiles.interleave()))
         logits = fused.step(x, positions, kv, meta, logits_index)  # the head in the same call, where it is fused
         assert torch.equal(logits, fused.logits(batched)), "the fused head gave other logits than the head after it"
         d = meta.decode
@@ -155,6 +157,30 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, 
     prompts = _prompts(llm.tokenizer)
     llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 9, 12)])
     assert checked and max(checked) == 3
+
+
+def test_past_head_max_rows_the_models_head_runs_after_the_step(monkeypatch):
+    """Where the step computes the head (``FusedDecode.head``) up to ``head_max_rows`` rows (on an AMX
+    Xeon, oneDNN's packed head after the step is faster past 4): within the cap the logits are the
+    step's head's, past it the model's own head's after the step, bit for bit either way."""
+    llm = _fused_llm("bfloat16", num_kv_blocks=128)
+    seen = []
+
+    def capped(fused, x, positions, kv, meta, logits_index):
+        if fused.head is None:
+            pytest.skip("the step computes no head here")
+        monkeypatch.setattr(fused, "head_max_rows", 2)
+        logits = fused.step(x, positions, kv, meta, logits_index)
+        hidden = fused(x, positions, kv, meta)
+        assert torch.equal(logits, fused.logits(hidden))
+        if x.shape[0] > 2:
+            assert torch.equal(logits, fused.model.compute_logits(hidden))
+        seen.append(x.shape[0])
+        return logits
+
+    _around_fused_steps(llm.engine.model, monkeypatch, capped)
+    llm.generate(_prompts(llm.tokenizer), [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 5, 8)])
+    assert 3 in seen and 1 in seen
 
 
 def _in_the_other_layout(fused: FusedDecode) -> FusedDecode:

@@ -114,15 +114,23 @@ class TiledLinear(nn.Module):
         return from_step_layout(self.tiles)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).to(self.tiles.dtype).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=self.tiles.dtype)
-        rc = kernels.decode_step_library().linear_rows(
-            self.tiles.data_ptr(), self.in_features, self.out_features, int(interleave()), rows.data_ptr(), rows.shape[0],
-            out.data_ptr(), int(self.tiles.dtype == torch.bfloat16), torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"linear_rows failed (code {rc})")
-        return out.view(*lead, self.out_features)
+        return rows_product(self.tiles, x)
+
+
+def rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in ``weight``'s dtype, where ``weight`` is ``w`` ``[out, in]`` in the fused step's
+    layout (``to_step_layout``): the step's C product (``linear_rows``), every row of ``x`` on its
+    own, as the step's projections and its head compute them."""
+    out_features, in_features = weight.shape
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, in_features).to(weight.dtype).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=weight.dtype)
+    rc = kernels.decode_step_library().linear_rows(
+        weight.data_ptr(), in_features, out_features, int(interleave()), rows.data_ptr(), rows.shape[0],
+        out.data_ptr(), int(weight.dtype == torch.bfloat16), torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"linear_rows failed (code {rc})")
+    return out.view(*lead, out_features)
 
 
 def try_tiled(weight: torch.Tensor) -> TiledLinear | None:

@@ -40,6 +40,7 @@ log = logging.getLogger("kvmosaic")
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 AMX_MAX_ROWS = 8
+AMX_HEAD_MAX_ROWS = 4  # oneDNN's packed head after the step past this, where its GEMMs run on AMX tiles
 
 
 def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
@@ -62,15 +63,24 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
 
 
 def _head_in_tiles(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(final norm weight, head tiles) where the model's head is ``decode_tiles.TiledLinear`` in
-    ``dtype`` after a plain RMSNorm (``pack_linears``' choice on this CPU), else None."""
+    """(final norm weight, head weight in the step's layout) where the step can end with the model's
+    head after a plain RMSNorm in ``dtype``: a ``decode_tiles.TiledLinear`` (``pack_linears``'
+    choice where oneDNN's GEMMs are not on AMX tiles), or oneDNN's packed head where the step reads
+    rows, whose kept rows are then the step's layout (on an AMX Xeon the head in the step read its
+    56 MB in 1.8 ms, and a batch-1 step took 12.3-12.8 against 13.2-13.3 ms with oneDNN's head after
+    it; at 4 rows 2% faster, at 8 3% slower: ``AMX_HEAD_MAX_ROWS``; BENCHMARKS.md, issue 26, eighth
+    session). Else None."""
     from .llama import RMSNorm
 
     head, norm = model.head_proj, model.norm
-    if type(head) is not decode_tiles.TiledLinear or head.tiles.dtype != dtype or type(norm) is not RMSNorm \
-            or norm.weight.dtype != dtype or norm.eps != model.config.rms_norm_eps:  # the step norms with the layers' eps
-        return None
-    return norm.weight.detach().contiguous(), head.tiles
+    if type(norm) is not RMSNorm or norm.weight.dtype != dtype or norm.eps != model.config.rms_norm_eps:
+        return None  # the step norms with the layers' eps
+    if type(head) is decode_tiles.TiledLinear and head.tiles.dtype == dtype:
+        return norm.weight.detach().contiguous(), head.tiles
+    if type(head) is PackedLinear and not decode_tiles.interleave() and head.kept.dtype == dtype \
+            and head.kept.is_contiguous() and decode_tiles.tileable(head.kept):
+        return norm.weight.detach().contiguous(), head.kept
+    return None
 
 
 class FusedDecode:
@@ -96,6 +106,7 @@ class FusedDecode:
         # context's step: 25 against 29 ms at 6 rows, a tie at 8, 64 against 50 at 16, 99-115 against
         # 77-81 at 32; 2-core AMX Xeon): larger decode batches take it.
         self.max_rows = AMX_MAX_ROWS if amx_gemms(dtype) else None
+        self.head_max_rows = AMX_HEAD_MAX_ROWS if amx_gemms(dtype) else None  # rows the head in the step serves
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedDecode | None:
@@ -158,10 +169,11 @@ class FusedDecode:
              logits_index: torch.Tensor | None) -> torch.Tensor | None:
         """Float32 logits at ``logits_index`` (every row when None) of the decode tokens whose
         embeddings are ``x``; None where the C function declines. When every row is wanted and the
-        head is in decode tiles, the final norm and the head run in the same C call (no return to
-        Python, no second parallel region): the same values as :meth:`__call__` then
-        :meth:`logits`, bit for bit."""
-        if self.head is not None and (logits_index is None or logits_index.numel() == x.shape[0]):
+        head is the step's (``_head_in_tiles``; on AMX at most ``head_max_rows`` rows), the final norm
+        and the head run in the same C call (no return to Python, no second parallel region): the
+        same values as :meth:`__call__` then :meth:`logits`, bit for bit."""
+        if self.head is not None and (logits_index is None or logits_index.numel() == x.shape[0]) \
+                and (self.head_max_rows is None or x.shape[0] <= self.head_max_rows):
             return self._call(x, positions, kv, meta, self.head)  # every row: the runner asks for rows ascending
         hidden = self(x, positions, kv, meta)
         if hidden is None:
@@ -188,9 +200,14 @@ class FusedDecode:
         """Float32 logits of final hidden states ``[B, hidden]``: the model's own head, which is
         the C product over decode tiles where it serves (``decode_tiles.TiledLinear``, set by
         ``pack_linears``: every row alone, as the layers' projections), or with
-        ``quantization="gguf"`` the Q8_0 head on its blocks, every row alone."""
+        ``quantization="gguf"`` the Q8_0 head on its blocks, every row alone; where oneDNN's packed
+        head is the model's and the step computes its rows (``_head_in_tiles``), the step's C product
+        up to ``head_max_rows`` rows, so that a row's logits are the step's head's."""
         if type(self.model.head_proj) is Q8_0Head:
             return self.model.head_proj.rows(self.model.norm(hidden).contiguous())
+        if self.head is not None and type(self.model.head_proj) is PackedLinear \
+                and (self.head_max_rows is None or hidden.shape[0] <= self.head_max_rows):
+            return decode_tiles.rows_product(self.head[1], self.model.norm(hidden)).float()
         return self.model.compute_logits(hidden)
 
     def _run(self, pointers, batch: int, *tensors: torch.Tensor | None, max_len: int,
