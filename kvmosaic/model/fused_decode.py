@@ -62,7 +62,7 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
     return (module.decode_weight(),) if type(module) is PackedLinear else (decode_tiles.to_step_layout(w),)
 
 
-def _head_in_tiles(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _step_head(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(final norm weight, head weight in the step's layout) where the step can end with the model's
     head after a plain RMSNorm in ``dtype``: a ``decode_tiles.TiledLinear`` (``pack_linears``'
     choice where oneDNN's GEMMs are not on AMX tiles), or oneDNN's packed head where the step reads
@@ -95,9 +95,9 @@ class FusedDecode:
         self.tiled = decode_tiles.interleave() if tiled is None else tiled
         # [layer][(w, d, m) of qkv, o, gate_up, down, norm1, norm2]: the C step's pointers, kept alive
         self.weights = weights
-        # (final norm weight, head tiles) when the head is the C product over decode tiles in the
-        # step's dtype: the step then ends with the logits (see step); else None
-        self.head = _head_in_tiles(model, dtype)
+        # (final norm weight, head weight in the step's layout) where the step can end with the head
+        # (_step_head), the logits then out of the same C call (see step); else None
+        self.head = _step_head(model, dtype)
         self.shape = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim)
         self.eps, self.scale = float(cfg.rms_norm_eps), float(model.layers[0].scale)
@@ -169,7 +169,7 @@ class FusedDecode:
              logits_index: torch.Tensor | None) -> torch.Tensor | None:
         """Float32 logits at ``logits_index`` (every row when None) of the decode tokens whose
         embeddings are ``x``; None where the C function declines. When every row is wanted and the
-        head is the step's (``_head_in_tiles``; on AMX at most ``head_max_rows`` rows), the final norm
+        head is the step's (``_step_head``; on AMX at most ``head_max_rows`` rows), the final norm
         and the head run in the same C call (no return to Python, no second parallel region): the
         same values as :meth:`__call__` then :meth:`logits`, bit for bit."""
         if self.head is not None and (logits_index is None or logits_index.numel() == x.shape[0]) \
@@ -201,7 +201,7 @@ class FusedDecode:
         the C product over decode tiles where it serves (``decode_tiles.TiledLinear``, set by
         ``pack_linears``: every row alone, as the layers' projections), or with
         ``quantization="gguf"`` the Q8_0 head on its blocks, every row alone; where oneDNN's packed
-        head is the model's and the step computes its rows (``_head_in_tiles``), the step's C product
+        head is the model's and the step computes its rows (``_step_head``), the step's C product
         up to ``head_max_rows`` rows, so that a row's logits are the step's head's."""
         if type(self.model.head_proj) is Q8_0Head:
             return self.model.head_proj.rows(self.model.norm(hidden).contiguous())

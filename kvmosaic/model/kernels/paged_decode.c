@@ -95,14 +95,14 @@ static inline __attribute__((always_inline)) void finish_rows(const float *acc, 
 static inline __attribute__((always_inline)) void attend_one(
     const float *q, const void *k_pool, const void *v_pool, int kv_bf16, const int64_t *seq_slots, int64_t len,
     int64_t kv_heads, const int64_t dim, int64_t g, int64_t group, float scale, float *out, float *lse,
-    KvPrefetch *ahead) {
+    KvPrefetch *kv) {
     float qs[MAX_GROUP * MAX_DIM], acc[MAX_GROUP * MAX_DIM], s[MAX_GROUP * TILE];
     float row[MAX_DIM], m[MAX_GROUP], l[MAX_GROUP];
     start_rows(q, scale, group, dim, qs, acc, m, l);
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
-            kv_prefetch_key(ahead);
+            kv_prefetch_key(kv);
             load_row(k_pool, kv_bf16, (seq_slots[t0 + j] * kv_heads + g) * dim, dim, row);
             for (int64_t r = 0; r < group; ++r) {
                 const float *qr = qs + r * dim;
@@ -163,7 +163,7 @@ static inline __attribute__((always_inline)) float softmax_tile_x16(float *score
 static inline __attribute__((always_inline)) void attend_one_avx512bf16(
     const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *seq_slots, int64_t len,
     int64_t kv_heads, const int64_t dim, int64_t g, const int64_t group, float scale, float *out, float *lse,
-    KvPrefetch *ahead) {
+    KvPrefetch *kv) {
     __m512bh qb[MAX_GROUP][MAX_DIM / 32];
     __m512 acc[MAX_GROUP][MAX_DIM / 16];
     float s[MAX_GROUP * TILE], m[MAX_GROUP], l[MAX_GROUP];
@@ -178,7 +178,7 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
-            kv_prefetch_key(ahead);
+            kv_prefetch_key(kv);
             const int64_t row = (seq_slots[t0 + j] * kv_heads + g) * dim;
             const uint16_t *krow = k_pool + row;
             if (t0 + j + PREFETCH < len) {
@@ -219,8 +219,8 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
 /* attend_one_avx512bf16 with a constant head size and group, where they are common ones. */
 static void attend_avx512bf16(const float *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *seq_slots,
                               int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group, float scale,
-                              float *out, float *lse, KvPrefetch *ahead) {
-#define CALL(G, D) attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse, ahead)
+                              float *out, float *lse, KvPrefetch *kv) {
+#define CALL(G, D) attend_one_avx512bf16(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse, kv)
     WITH_CONSTANT_SHAPE(CALL);
 #undef CALL
 }
@@ -245,7 +245,7 @@ static inline __m256 sum_lanes_8(const __m256 *v) {
 static inline __attribute__((always_inline)) void attend_one_avx2_f32(
     const float *q, const float *k_pool, const float *v_pool, const int64_t *seq_slots, int64_t len,
     int64_t kv_heads, const int64_t dim, int64_t g, const int64_t group, float scale, float *out, float *lse,
-    KvPrefetch *ahead) {
+    KvPrefetch *kv) {
     float qs[MAX_GROUP * MAX_DIM] __attribute__((aligned(32))), acc[MAX_GROUP * MAX_DIM] __attribute__((aligned(32)));
     float s[MAX_GROUP * TILE] __attribute__((aligned(32))), m[MAX_GROUP], l[MAX_GROUP];
     const float *rows[TILE];
@@ -253,7 +253,7 @@ static inline __attribute__((always_inline)) void attend_one_avx2_f32(
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
-            kv_prefetch_key(ahead);
+            kv_prefetch_key(kv);
             rows[j] = k_pool + (seq_slots[t0 + j] * kv_heads + g) * dim;
             if (t0 + j + PREFETCH < len) {
                 const float *ahead = k_pool + (seq_slots[t0 + j + PREFETCH] * kv_heads + g) * dim;
@@ -305,40 +305,40 @@ static inline __attribute__((always_inline)) void attend_one_avx2_f32(
 /* attend_one_avx2_f32 with a constant head size and group, where they are common ones. */
 static void attend_avx2_f32(const float *q, const float *k_pool, const float *v_pool, const int64_t *seq_slots,
                             int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group, float scale,
-                            float *out, float *lse, KvPrefetch *ahead) {
-#define CALL(G, D) attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse, ahead)
+                            float *out, float *lse, KvPrefetch *kv) {
+#define CALL(G, D) attend_one_avx2_f32(q, k_pool, v_pool, seq_slots, len, kv_heads, D, g, G, scale, out, lse, kv)
     WITH_CONSTANT_SHAPE(CALL);
 #undef CALL
 }
 #endif
 
 /* One (sequence, kv head): the group's ``group`` query heads ``q`` [group, D] float32 over the
- * first ``len`` of ``seq_slots``; writes out [group, D] and lse [group]; ahead (NULL: none) asked a
+ * first ``len`` of ``seq_slots``; writes out [group, D] and lse [group]; kv (NULL: none) asked for a
  * row per key. The AVX512-BF16 path where the pool is bfloat16, the queries bfloat16 values and D a
  * multiple of 32. Shared with decode_step.c (paged_decode.h). */
 void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
                        const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
-                       float scale, float *out, float *lse, KvPrefetch *ahead) {
+                       float scale, float *out, float *lse, KvPrefetch *kv) {
 #ifdef HAVE_AVX512_BF16
     if (kv_bf16 && q_bf16_exact && dim % 32 == 0) {
         attend_avx512bf16(q, (const uint16_t *)k_pool, (const uint16_t *)v_pool, seq_slots, len, kv_heads, dim, g,
-                          group, scale, out, lse, ahead);
+                          group, scale, out, lse, kv);
         return;
     }
 #endif
 #ifdef HAVE_AVX2_F32
     if (!kv_bf16 && dim % 32 == 0) {
         attend_avx2_f32(q, (const float *)k_pool, (const float *)v_pool, seq_slots, len, kv_heads, dim, g, group, scale,
-                        out, lse, ahead);
+                        out, lse, kv);
         return;
     }
 #endif
     if (dim == 64)
-        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 64, g, group, scale, out, lse, ahead);
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 64, g, group, scale, out, lse, kv);
     else if (dim == 128)
-        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 128, g, group, scale, out, lse, ahead);
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, 128, g, group, scale, out, lse, kv);
     else
-        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, dim, g, group, scale, out, lse, ahead);
+        attend_one(q, k_pool, v_pool, kv_bf16, seq_slots, len, kv_heads, dim, g, group, scale, out, lse, kv);
 }
 
 void paged_decode_merge(const float *parts, const float *part_lse, int64_t chunks, int64_t group, int64_t dim, float *out,
@@ -415,17 +415,17 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
         const int me = omp_get_thread_num(), team = omp_get_num_threads();
         const int64_t lo = tasks * me / team, hi = tasks * (me + 1) / team;
         const int64_t row_bytes = kv_heads * dim * (kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
-        KvPrefetch ahead = {k_pool, v_pool, first, lens, slots, batch, max_len, row_bytes, lo, hi, 0, 0, 0, 0, kv_heads, 0};
+        KvPrefetch cursor = {k_pool, v_pool, first, lens, slots, batch, max_len, row_bytes, lo, hi, 0, 0, 0, 0, kv_heads, 0};
         for (int64_t t = lo; t < hi; ++t) {
             int64_t b, c;
             paged_decode_task(first, batch, t, &b, &c);
             const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
-            kv_prefetch_before(&ahead, t);
+            kv_prefetch_before(&cursor, t);
             for (int64_t g = 0; g < kv_heads; ++g) {
                 const int64_t part = decode_part(first, kv_heads, b, g, c);
                 paged_decode_head(q + (b * heads + g * group) * dim, k_pool, v_pool, kv_bf16, q_bf16_exact,
                                   slots + b * max_len + begin, n, kv_heads, dim, g, group, scale,
-                                  parts + part * group * dim, part_lse + part * group, &ahead);
+                                  parts + part * group * dim, part_lse + part * group, &cursor);
             }
         }
 #pragma omp barrier

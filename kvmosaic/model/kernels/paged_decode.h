@@ -94,10 +94,10 @@ static inline void kv_prefetch_before(KvPrefetch *kv, int64_t t) {
 }
 
 /* The group's queries of kv head g over one run of a sequence's slots: out [group, D], lse [group]
- * (paged_decode.c); ahead: the thread's cursor, asked a row per key attended (NULL: none). */
+ * (paged_decode.c); kv: the thread's cursor, asked for a row per key attended (NULL: none). */
 void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
                        const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
-                       float scale, float *out, float *lse, KvPrefetch *ahead);
+                       float scale, float *out, float *lse, KvPrefetch *kv);
 
 /* Where the partial result of (sequence b, kv head g, chunk c) goes among a step's kv_heads *
  * first[batch]: a (sequence, kv head)'s chunks side by side, in order, as paged_decode_merge
