@@ -67,7 +67,7 @@ def test_a_packed_projection_in_the_step_layout_keeps_one_copy_and_its_results(d
     before = layer(x)
     tiles = layer.decode_weight()
     assert layer.decode_weight() is tiles  # converted once
-    assert torch.equal(tiles, decode_tiles.to_tiles(w) if decode_tiles.interleave() else w)
+    assert torch.equal(tiles, decode_tiles.to_layout(w, decode_tiles.step_layout(dtype)))
     assert [b.data_ptr() for b in layer.buffers()] == [tiles.data_ptr()]  # the rows were let go
     assert torch.equal(layer.weight, w)
     assert torch.equal(layer(x), before)
@@ -110,10 +110,11 @@ def test_a_packed_model_takes_the_tiled_head(dtype):
 
 @pytest.fixture
 def fresh_layout():
-    """``decode_tiles.interleave`` asked anew in the test, and again after it (the environment restored)."""
-    decode_tiles.interleave.cache_clear()
+    """``decode_tiles.interleave`` and ``amx_blocks`` asked anew in the test, and again after it (the
+    environment restored)."""
+    decode_tiles.interleave.cache_clear(), decode_tiles.amx_blocks.cache_clear()
     yield
-    decode_tiles.interleave.cache_clear()
+    decode_tiles.interleave.cache_clear(), decode_tiles.amx_blocks.cache_clear()
 
 
 @pytest.mark.parametrize("vendor, interleaved", [("AuthenticAMD", True), ("GenuineIntel", False), ("", False)])
@@ -127,8 +128,41 @@ def test_the_layout_is_the_cpus_unless_the_environment_says(vendor, interleaved,
         assert decode_tiles.interleave() is want
     decode_tiles.interleave.cache_clear()
     monkeypatch.setenv(decode_tiles.LAYOUT_ENV, "columns")
-    with pytest.raises(ValueError, match="KVMOSAIC_DECODE_LAYOUT='columns': expected 'tiles' or 'rows'"):
+    with pytest.raises(ValueError, match="KVMOSAIC_DECODE_LAYOUT='columns': expected 'tiles', 'rows' or 'amx'"):
         decode_tiles.interleave()
+
+
+def test_the_tile_units_blocks_are_taken_where_the_library_has_them_unless_the_environment_says(monkeypatch,
+                                                                                                fresh_layout):
+    """bfloat16 projections on the tile unit where the library says it runs them (built with AMX, the OS
+    granting the tile state); ``rows`` or ``tiles`` in the environment turn it off; float32 never."""
+    from kvmosaic.model import kernels
+
+    lib = kernels.decode_step_library()
+    if lib is None:
+        pytest.skip("no kernel library here")
+    monkeypatch.delenv(decode_tiles.LAYOUT_ENV, raising=False)
+    here = lib.decode_step_amx() == 1
+    assert decode_tiles.amx_blocks() is here
+    assert (decode_tiles.step_layout(torch.bfloat16) == decode_tiles.AMX) is here
+    assert decode_tiles.step_layout(torch.float32) == decode_tiles.head_layout() != decode_tiles.AMX
+    for chosen, want in (("rows", False), ("tiles", False), ("amx", here)):
+        decode_tiles.interleave.cache_clear(), decode_tiles.amx_blocks.cache_clear()
+        monkeypatch.setenv(decode_tiles.LAYOUT_ENV, chosen)
+        assert decode_tiles.amx_blocks() is want
+
+
+def test_the_tile_units_blocks_are_a_permutation_of_the_rows():
+    """B tiles of 16 channels x 32 inputs, pairs of inputs side by side (decode_step.c's AMX_BLOCK)."""
+    w = torch.arange(32 * 64, dtype=torch.float32).view(32, 64).to(torch.bfloat16)
+    blocks = decode_tiles.to_amx(w)
+    assert torch.equal(decode_tiles.from_amx(blocks), w)
+    assert torch.equal(decode_tiles.from_layout(decode_tiles.to_layout(w, decode_tiles.AMX), decode_tiles.AMX), w)
+    flat = blocks.flatten()
+    # channel block 1, input tile 1, pair 3, channel 5, second of the pair: w[16 + 5, 32 + 2 * 3 + 1]
+    assert flat[(1 * 2 + 1) * 512 + (3 * 16 + 5) * 2 + 1] == w[21, 39]
+    assert decode_tiles.tileable(w, decode_tiles.AMX) is (decode_tiles.tile_shape(torch.bfloat16) is not None)
+    assert not decode_tiles.tileable(w[:24], decode_tiles.AMX)
 
 
 def test_this_cpus_vendor_is_read():

@@ -24,7 +24,7 @@ import torch
 from kvmosaic import SamplingParams
 from kvmosaic.model import decode_tiles
 from kvmosaic.model.attention import AttentionMetadata, DecodeBatch
-from kvmosaic.model.fused_decode import AMX_MAX_ROWS, FusedDecode
+from kvmosaic.model.fused_decode import AMX_MAX_ROWS, TILE_STEP_MAX_ROWS, FusedDecode
 from kvmosaic.model.packed_linear import amx_gemms
 from tests.conftest import assert_greedy_within, make_llm, record_logits
 from tests.test_batch_composition import BF16_LOGIT_TOL
@@ -183,33 +183,75 @@ def test_past_head_max_rows_the_models_head_runs_after_the_step(monkeypatch):
     assert 3 in seen and 1 in seen
 
 
-def _in_the_other_layout(fused: FusedDecode) -> FusedDecode:
-    """The same step over its dense weights (and head) in the layout this process does not use."""
-    convert = decode_tiles.from_tiles if fused.tiled else decode_tiles.to_tiles
-    weights = [[convert(t) if i in (0, 3, 6, 9) else t for i, t in enumerate(layer)] for layer in fused.weights]
-    other = FusedDecode(fused.model, weights, fused.dtype, tiled=not fused.tiled)
-    other.head = None if fused.head is None else (fused.head[0], convert(fused.head[1]))
+def _in_layout(fused: FusedDecode, layout: int) -> FusedDecode:
+    """The same step over its dense weights in ``layout`` (a head in the step in rows for ROWS and AMX,
+    in tiles for TILES)."""
+    def convert(t: torch.Tensor, was: int) -> torch.Tensor:
+        return decode_tiles.to_layout(decode_tiles.from_layout(t, was), layout)
+
+    weights = [[convert(t, fused.layout) if i in (0, 3, 6, 9) else t for i, t in enumerate(layer)]
+               for layer in fused.weights]
+    other = FusedDecode(fused.model, weights, fused.dtype, layout=layout)
+    head_layout = decode_tiles.TILES if layout == decode_tiles.TILES else decode_tiles.ROWS
+    other.head = None if fused.head is None else (
+        fused.head[0], decode_tiles.to_layout(decode_tiles.from_layout(fused.head[1], decode_tiles.head_layout()),
+                                              head_layout))
     return other
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_both_weight_layouts_give_the_same_steps_bit_for_bit(dtype, monkeypatch):
-    """Interleaved decode tiles and rows (decode_tiles.interleave: the CPU's choice) are the same
-    products in the same order: the step's hidden states and logits are the same bits."""
+    """Interleaved decode tiles and rows (decode_tiles.interleave: the CPU's choice for the vector
+    step) are the same products in the same order: the step's hidden states and logits are the same bits."""
     llm = _fused_llm(dtype, num_kv_blocks=128)
     compared = []
 
     def both(fused, x, positions, kv, meta, logits_index):
-        other = _in_the_other_layout(fused)
-        assert torch.equal(other(x, positions, kv, meta), fused(x, positions, kv, meta))
+        rows, tiles = _in_layout(fused, decode_tiles.ROWS), _in_layout(fused, decode_tiles.TILES)
+        assert torch.equal(rows(x, positions, kv, meta), tiles(x, positions, kv, meta))
+        assert torch.equal(rows.step(x, positions, kv, meta, logits_index),
+                           tiles.step(x, positions, kv, meta, logits_index))
         logits = fused.step(x, positions, kv, meta, logits_index)
-        assert torch.equal(other.step(x, positions, kv, meta, logits_index), logits)
         compared.append(x.shape[0])
         return logits
 
     _around_fused_steps(llm.engine.model, monkeypatch, both)
     llm.generate(_prompts(llm.tokenizer), [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 5, 7)])
     assert compared and max(compared) == 3
+    llm.engine.pool.check_invariants()
+
+
+def test_on_the_tile_unit_a_row_alone_equals_the_row_in_two_tiles_of_rows_and_the_vector_steps_within_tolerance(
+        monkeypatch):
+    """The projections on AMX tiles (``decode_tiles.AMX``): each output from its own row, so a row's
+    hidden state is the same bits alone as in a batch of 18 (rows 16-17: the second tile of rows); other
+    sums than the vector step's, so its logits are within ``FUSED_LOGIT_TOL`` of them."""
+    llm = _fused_llm("bfloat16", num_kv_blocks=256)
+    if FusedDecode.for_model(llm.engine.model).layout != decode_tiles.AMX:
+        pytest.skip("the step's projections are not on the tile unit here (no AMX, or not granted)")
+    checked, gaps = [], []
+
+    def check(fused, x, positions, kv, meta, logits_index):
+        batched = fused(x, positions, kv, meta)
+        logits = fused.step(x, positions, kv, meta, logits_index)
+        rows = _in_layout(fused, decode_tiles.ROWS)
+        rows.max_rows = None
+        gaps.append(float((rows.step(x, positions, kv, meta, logits_index) - logits).abs().max()))
+        d = meta.decode
+        for row in sorted({0, x.shape[0] // 2, x.shape[0] - 1}):
+            n = int(d.lens[row])
+            alone = AttentionMetadata(meta.slot_mapping[row : row + 1], decode=DecodeBatch(
+                torch.zeros(1, dtype=torch.long), d.ctx_slots[row : row + 1, :n], None, lens=d.lens[row : row + 1]))
+            assert torch.equal(fused(x[row : row + 1], positions[row : row + 1], kv, alone)[0], batched[row])
+        checked.append(x.shape[0])
+        return logits
+
+    _around_fused_steps(llm.engine.model, monkeypatch, check)
+    prompts = _prompts(llm.tokenizer) * 6
+    llm.generate(prompts, [SamplingParams(max_tokens=3 + i % 4, temperature=0, ignore_eos=True)
+                           for i in range(len(prompts))])
+    assert max(checked) == 18 and min(checked) <= 16
+    assert max(gaps) <= FUSED_LOGIT_TOL["bfloat16"]
     llm.engine.pool.check_invariants()
 
 
@@ -334,7 +376,8 @@ def test_decode_batches_past_max_rows_take_the_layers(monkeypatch):
     tokens are the uncapped run's within the bfloat16 tolerance (the layers sum in another order)."""
     llm = _fused_llm("bfloat16", num_kv_blocks=128)
     fused = FusedDecode.for_model(llm.engine.model)
-    assert fused.max_rows == (AMX_MAX_ROWS if amx_gemms(torch.bfloat16) else None)
+    assert fused.max_rows == (TILE_STEP_MAX_ROWS if fused.layout == decode_tiles.AMX
+                              else AMX_MAX_ROWS if amx_gemms(torch.bfloat16) else None)
     prompts = _prompts(llm.tokenizer)
     want = _greedy(llm, prompts, max_tokens=8)
     fused.max_rows = 3

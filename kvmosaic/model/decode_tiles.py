@@ -1,18 +1,24 @@
 """The layout in which the fused decode step reads its weights (float32 and bfloat16): decode tiles,
-interleaved or not.
+interleaved or not, or the tile unit's blocks.
 
 The step (``kernels/decode_step.c``) computes a projection a tile of ``channels`` output rows at
-a time. In row order the tile's rows are read side by side, ``channels`` streams a thread (each
-prefetched by hand); interleaved, the same ``channels * in`` elements are interleaved by ``lanes``
-(one vector load), so that the tile is one sequential stream for the hardware prefetcher. Which
-reads closer to the memory bandwidth depends on the CPU (``interleave``). A tile covers the same
-span of the tensor in both layouts, and the step forms the same products in the same order: a
-result does not depend on the layout.
+a time. In row order (``ROWS``) the tile's rows are read side by side, ``channels`` streams a thread
+(each prefetched by hand); interleaved (``TILES``), the same ``channels * in`` elements are
+interleaved by ``lanes`` (one vector load), so that the tile is one sequential stream for the
+hardware prefetcher. Which reads closer to the memory bandwidth depends on the CPU (``interleave``).
+A tile covers the same span of the tensor in both layouts, and the step forms the same products in
+the same order: a result does not depend on which of the two.
 
-Invariant: ``from_tiles(to_tiles(w))`` equals ``w``; both are pure permutations (no rounding).
-``channels`` and ``lanes`` come from the compiled library (``lanes``: the weight's elements in one
-of the CPU's vectors, so per dtype). The layout is chosen once per process: weights converted at
-load (``to_step_layout``) and the step's ``tiled`` argument agree.
+On a CPU with AMX the step's bfloat16 projections run on the tile unit instead (``AMX``, where
+``amx_blocks``): the weight is kept as the unit's B tiles, 16 output channels by 32 inputs each
+(1 KB: the inputs in pairs), a block of 16 channels' tiles in order; the batch's rows are the A
+tiles. Other products, and summed in another order than the vector ones; each row still on its own.
+
+Invariant: ``from_layout(to_layout(w, layout), layout)`` equals ``w``; every conversion is a pure
+permutation (no rounding). ``channels`` and ``lanes`` come from the compiled library (``lanes``: the
+weight's elements in one of the CPU's vectors, so per dtype). The layouts are chosen once per
+process: weights converted at load (``to_step_layout``) and the step's ``layout`` argument agree;
+the C products row by row (the LM head: ``TiledLinear``, ``rows_product``) read ``head_layout()``.
 """
 
 from __future__ import annotations
@@ -39,7 +45,9 @@ def tile_shape(dtype: torch.dtype = torch.float32) -> tuple[int, int] | None:
     return (int(shape[0]), int(shape[1])) if lib.decode_tile_shape(int(dtype == torch.bfloat16), shape) == 0 else None
 
 
-LAYOUT_ENV = "KVMOSAIC_DECODE_LAYOUT"  # "tiles" or "rows": overrides the CPU's default (for measuring)
+LAYOUT_ENV = "KVMOSAIC_DECODE_LAYOUT"  # "tiles", "rows" or "amx": overrides the CPU's default (for measuring)
+ROWS, TILES, AMX = 0, 1, 2  # the step's ``layout`` argument (decode_step.c's LAYOUT_*)
+AMX_CHANNELS, AMX_INPUTS = 16, 32  # a B tile of the tile unit: output channels x inputs
 
 
 def cpu_vendor() -> str:
@@ -51,6 +59,13 @@ def cpu_vendor() -> str:
         return ""
 
 
+def _chosen() -> str:
+    chosen = os.environ.get(LAYOUT_ENV, "").strip().lower()
+    if chosen not in ("", "tiles", "rows", "amx"):
+        raise ValueError(f"{LAYOUT_ENV}={chosen!r}: expected 'tiles', 'rows' or 'amx'")
+    return chosen
+
+
 @functools.cache
 def interleave() -> bool:
     """Whether the fused step reads its dense weights interleaved (True) or in rows (False) in this
@@ -58,26 +73,76 @@ def interleave() -> bool:
     rate in bfloat16 (Zen 4), 10-15% in float32 (AVX2 Zen 3); an AMX Xeon reads the rows, prefetched
     by hand, at 30 against 20 GB/s in bfloat16 and 32 against 28 in float32 (``benchmarks.decode_layout``;
     BENCHMARKS.md, issue 26, eighth session). ``KVMOSAIC_DECODE_LAYOUT=tiles|rows`` overrides."""
-    chosen = os.environ.get(LAYOUT_ENV, "").strip().lower()
-    if chosen not in ("", "tiles", "rows"):
-        raise ValueError(f"{LAYOUT_ENV}={chosen!r}: expected 'tiles' or 'rows'")
-    return chosen == "tiles" if chosen else cpu_vendor() == "AuthenticAMD"
+    chosen = _chosen()
+    return chosen == "tiles" if chosen in ("tiles", "rows") else cpu_vendor() == "AuthenticAMD"
+
+
+@functools.cache
+def amx_blocks() -> bool:
+    """Whether the fused step's bfloat16 projections run on the tile unit in this process: where the
+    library was built with AMX and the OS grants the tile state. The four projections of 30 layers
+    streamed at ~25 GB/s at 1 to 16 rows there, against ~17 for oneDNN's packed GEMMs and ~22-24 for the
+    vector step at one row (BENCHMARKS.md, issue 26, ninth session).
+    ``KVMOSAIC_DECODE_LAYOUT=tiles|rows`` turns it off."""
+    if _chosen() in ("tiles", "rows"):
+        return False
+    lib = kernels.decode_step_library()
+    return lib is not None and lib.decode_step_amx() == 1
+
+
+def head_layout() -> int:
+    """The layout of the C products computed row by row (``TiledLinear``, ``rows_product``: the LM head)."""
+    return TILES if interleave() else ROWS
+
+
+def step_layout(dtype: torch.dtype) -> int:
+    """The layout of the fused step's projections in ``dtype`` in this process."""
+    return AMX if dtype == torch.bfloat16 and amx_blocks() else head_layout()
+
+
+def to_layout(w: torch.Tensor, layout: int) -> torch.Tensor:
+    """``w`` (``tileable`` in ``layout``) in ``layout``: a new tensor, or ``w`` itself for ``ROWS``."""
+    return to_amx(w) if layout == AMX else to_tiles(w) if layout == TILES else w
+
+
+def from_layout(t: torch.Tensor, layout: int) -> torch.Tensor:
+    """The ``[out, in]`` rows of ``t``, a weight in ``layout``."""
+    return from_amx(t) if layout == AMX else from_tiles(t) if layout == TILES else t
 
 
 def to_step_layout(w: torch.Tensor) -> torch.Tensor:
-    """``w`` (``tileable``) in the layout the fused step reads in this process: ``to_tiles(w)``, or
-    ``w`` itself where the step reads rows."""
-    return to_tiles(w) if interleave() else w
+    """``w`` (``tileable``) in the layout the fused step's projections read in this process."""
+    return to_layout(w, step_layout(w.dtype))
 
 
 def from_step_layout(t: torch.Tensor) -> torch.Tensor:
     """The ``[out, in]`` rows of ``t``, a weight in the step's layout (``to_step_layout``)."""
-    return from_tiles(t) if interleave() else t
+    return from_layout(t, step_layout(t.dtype))
 
 
-def tileable(w: torch.Tensor) -> bool:
+def tileable(w: torch.Tensor, layout: int | None = None) -> bool:
+    """Whether ``w`` can be kept in ``layout`` (default: the step's, ``step_layout``) for the C step."""
     shape = tile_shape(w.dtype)
-    return (shape is not None and w.dim() == 2 and w.shape[0] % shape[0] == 0 and w.shape[1] % shape[1] == 0)
+    if shape is None or w.dim() != 2 or w.shape[0] % shape[0] or w.shape[1] % shape[1]:
+        return False
+    layout = step_layout(w.dtype) if layout is None else layout
+    return layout != AMX or (w.shape[0] % AMX_CHANNELS == 0 and w.shape[1] % AMX_INPUTS == 0)
+
+
+def to_amx(w: torch.Tensor) -> torch.Tensor:
+    """A new ``[out, in]`` tensor holding ``w`` as the tile unit's B tiles (decode_step.c's AMX_BLOCK):
+    for each block of 16 output channels, its ``in / 32`` tiles in order, each ``[16 input pairs][16
+    channels][2]``."""
+    out, inp = w.shape
+    blocks = w.reshape(out // AMX_CHANNELS, AMX_CHANNELS, inp // AMX_INPUTS, AMX_INPUTS // 2, 2)
+    return blocks.permute(0, 2, 3, 1, 4).contiguous().view(out, inp)
+
+
+def from_amx(t: torch.Tensor) -> torch.Tensor:
+    """The ``[out, in]`` rows of B tiles ``t`` (``to_amx``; a new tensor)."""
+    out, inp = t.shape
+    blocks = t.reshape(out // AMX_CHANNELS, inp // AMX_INPUTS, AMX_INPUTS // 2, AMX_CHANNELS, 2)
+    return blocks.permute(0, 3, 1, 2, 4).contiguous().view(out, inp)
 
 
 def to_tiles(w: torch.Tensor) -> torch.Tensor:
@@ -95,8 +160,8 @@ def from_tiles(t: torch.Tensor) -> torch.Tensor:
 
 
 class TiledLinear(nn.Module):
-    """A bias-free linear layer over a weight kept in the fused step's layout only
-    (``to_step_layout``: decode tiles, interleaved where this CPU reads them faster), computed by
+    """A bias-free linear layer over a weight kept in ``head_layout()`` only (decode tiles,
+    interleaved where this CPU reads them faster), computed by
     the step's C product (``linear_rows``): every row of the input on its own, so a row's result
     does not depend on the others (oneDNN's bfloat16 GEMM changes a row's result past 32 rows).
     The LM head: at one or a few rows it reads the tiles at the memory bandwidth (bfloat16 on a Zen
@@ -107,26 +172,26 @@ class TiledLinear(nn.Module):
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        self.register_buffer("tiles", to_step_layout(weight.detach()), persistent=False)
+        self.register_buffer("tiles", to_layout(weight.detach(), head_layout()), persistent=False)
 
     @property
     def weight(self) -> torch.Tensor:
-        return from_step_layout(self.tiles)
+        return from_layout(self.tiles, head_layout())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rows_product(self.tiles, x)
 
 
 def rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` in ``weight``'s dtype, where ``weight`` is ``w`` ``[out, in]`` in the fused step's
-    layout (``to_step_layout``): the step's C product (``linear_rows``), every row of ``x`` on its
-    own, as the step's projections and its head compute them."""
+    """``x @ w.T`` in ``weight``'s dtype, where ``weight`` is ``w`` ``[out, in]`` in ``head_layout()``:
+    the step's C product (``linear_rows``), every row of ``x`` on its own, as the step's head
+    computes them."""
     out_features, in_features = weight.shape
     lead = x.shape[:-1]
     rows = x.reshape(-1, in_features).to(weight.dtype).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=weight.dtype)
     rc = kernels.decode_step_library().linear_rows(
-        weight.data_ptr(), in_features, out_features, int(interleave()), rows.data_ptr(), rows.shape[0],
+        weight.data_ptr(), in_features, out_features, int(head_layout() == TILES), rows.data_ptr(), rows.shape[0],
         out.data_ptr(), int(weight.dtype == torch.bfloat16), torch.get_num_threads())
     if rc != 0:
         raise RuntimeError(f"linear_rows failed (code {rc})")
@@ -136,7 +201,7 @@ def rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def try_tiled(weight: torch.Tensor) -> TiledLinear | None:
     """A TiledLinear for ``weight`` where this CPU's C product serves it and gives what
     ``F.linear`` gives up to float32 summation order (checked on a few rows), else None."""
-    if weight.device.type != "cpu" or not tileable(weight):
+    if weight.device.type != "cpu" or not tileable(weight, head_layout()):
         return None
     layer = TiledLinear(weight)
     x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)

@@ -13,9 +13,10 @@ exactly as the layer-by-layer path does, up to float32 summation order in the pr
   full rotary, plain (or oneDNN-packed) projections, or in float32 a GGUF's Q4_1 ones
   (``quantization="gguf"``: the same sums as the layer path's Q4_1 kernel, ``kernels/q4_1_avx2.h``);
   not int8 ones;
-* a step whose every token is a decode, with no shared-prefix (cascade) groups; in bfloat16 on a CPU
-  with AMX, at most ``AMX_MAX_ROWS`` of them (``packed_linear.amx_gemms``: oneDNN's tile GEMMs win
-  past that).
+* a step whose every token is a decode, with no shared-prefix (cascade) groups; in bfloat16 with the
+  projections on the tile unit (``decode_tiles.amx_blocks``), at most ``TILE_STEP_MAX_ROWS`` of them
+  (two tiles of rows); on a CPU with AMX otherwise (the vector step, ``KVMOSAIC_DECODE_LAYOUT=rows``),
+  at most ``AMX_MAX_ROWS`` (``packed_linear.amx_gemms``: oneDNN's tile GEMMs win past that).
 
 Anything else runs the layer-by-layer path. ``KVMOSAIC_FUSED_DECODE=0`` turns it off (as
 ``KVMOSAIC_KERNELS=0`` turns off every kernel). A row's result does not depend on the batch, within
@@ -40,6 +41,7 @@ log = logging.getLogger("kvmosaic")
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 AMX_MAX_ROWS = 8
+TILE_STEP_MAX_ROWS = 32  # the step's projections on the tile unit: two A tiles of 16 rows (decode_step.c)
 AMX_HEAD_MAX_ROWS = 4  # oneDNN's packed head after the step past this, where its GEMMs run on AMX tiles
 
 
@@ -57,7 +59,8 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
     if type(module) not in (nn.Linear, PackedLinear):
         return None
     w = module.kept if type(module) is PackedLinear else module.weight
-    if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" or not decode_tiles.tileable(w):
+    if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" \
+            or not decode_tiles.tileable(w, decode_tiles.step_layout(dtype)):
         return None
     return (module.decode_weight(),) if type(module) is PackedLinear else (decode_tiles.to_step_layout(w),)
 
@@ -77,8 +80,8 @@ def _step_head(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torc
         return None  # the step norms with the layers' eps
     if type(head) is decode_tiles.TiledLinear and head.tiles.dtype == dtype:
         return norm.weight.detach().contiguous(), head.tiles
-    if type(head) is PackedLinear and not decode_tiles.interleave() and head.kept.dtype == dtype \
-            and head.kept.is_contiguous() and decode_tiles.tileable(head.kept):
+    if type(head) is PackedLinear and decode_tiles.head_layout() == decode_tiles.ROWS and head.kept.dtype == dtype \
+            and head.kept.is_contiguous() and decode_tiles.tileable(head.kept, decode_tiles.ROWS):
         return norm.weight.detach().contiguous(), head.kept
     return None
 
@@ -87,12 +90,12 @@ class FusedDecode:
     """The fused step for one model; build with :meth:`for_model` (None where it does not serve)."""
 
     def __init__(self, model: nn.Module, weights: list[torch.Tensor], dtype: torch.dtype,
-                 tiled: bool | None = None) -> None:
+                 layout: int | None = None) -> None:
         cfg = model.config
         self.model, self.dtype = model, dtype
-        # whether the dense weights (and a head in the step) are interleaved decode tiles, else rows:
-        # the process's layout (decode_tiles.interleave), in which the weights were converted
-        self.tiled = decode_tiles.interleave() if tiled is None else tiled
+        # the projections' layout (decode_tiles.ROWS, TILES or AMX): the process's (step_layout), in
+        # which the weights were converted; a head in the step is in decode_tiles.head_layout()
+        self.layout = decode_tiles.step_layout(dtype) if layout is None else layout
         # [layer][(w, d, m) of qkv, o, gate_up, down, norm1, norm2]: the C step's pointers, kept alive
         self.weights = weights
         # (final norm weight, head weight in the step's layout) where the step can end with the head
@@ -102,10 +105,12 @@ class FusedDecode:
                       cfg.head_dim)
         self.eps, self.scale = float(cfg.rms_norm_eps), float(model.layers[0].scale)
         self._pointers: tuple[tuple[int, ...], ctypes.Array] | None = None  # (pool addresses, layer pointers)
-        # Where oneDNN's GEMMs run on AMX tiles the layers' path is faster past a few rows (a 700-token
-        # context's step: 25 against 29 ms at 6 rows, a tie at 8, 64 against 50 at 16, 99-115 against
-        # 77-81 at 32; 2-core AMX Xeon): larger decode batches take it.
-        self.max_rows = AMX_MAX_ROWS if amx_gemms(dtype) else None
+        # Where oneDNN's GEMMs run on AMX tiles the layers' path is faster than the vector step past a
+        # few rows (a 700-token context's step: 25 against 29 ms at 6 rows, a tie at 8, 64 against 50 at
+        # 16, 99-115 against 77-81 at 32; 2-core AMX Xeon): larger decode batches take it. The step on
+        # the tile unit serves two tiles of rows.
+        self.max_rows = (TILE_STEP_MAX_ROWS if self.layout == decode_tiles.AMX
+                         else AMX_MAX_ROWS if amx_gemms(dtype) else None)
         self.head_max_rows = AMX_HEAD_MAX_ROWS if amx_gemms(dtype) else None  # rows the head in the step serves
 
     @classmethod
@@ -218,5 +223,5 @@ class FusedDecode:
             pointers, layers, hidden, inter, heads, kv_heads, dim, self.eps, self.scale,
             *(None if t is None else t.data_ptr() for t in tensors), max_len, batch,
             *(None if t is None else t.data_ptr() for t in (norm, tiles)), 0 if tiles is None else tiles.shape[0],
-            None if logits is None else logits.data_ptr(), int(self.tiled), int(self.dtype == torch.bfloat16),
+            None if logits is None else logits.data_ptr(), self.layout, int(self.dtype == torch.bfloat16),
             torch.get_num_threads())

@@ -48,7 +48,8 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "q8_0_matmul.c", "decode_step.c",
                         "prefill_attention.c", "prefill_attention_amx.c", "prefill_attention_avx2.c")]
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h", "q4_1_avx2.h", "prefill_softmax.h")]
+           for name in ("amx.h", "bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h", "q4_1_avx2.h",
+                        "prefill_softmax.h")]
 # No FMA contraction: a * b + c rounds the product as torch's separate operators do.
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
          "-ffp-contract=off"]
@@ -120,6 +121,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, ptr, ptr, i64, ptr, i32, i32, i32]),
         "linear_rows": (i32, [ptr, i64, i64, i32, ptr, i64, ptr, i32, i32]),
         "decode_tile_shape": (i32, [i32, ptr]),
+        "decode_step_amx": (i32, []),
         "prefill_attention": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),
         "prefill_attention_f32": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),
         "prefill_attention_amx_ready": (i32, []),

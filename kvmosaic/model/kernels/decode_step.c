@@ -20,6 +20,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "amx.h"
 #include "elementwise.h"
 #include "paged_decode.h"
 #include "q4_1_avx2.h"
@@ -107,6 +108,11 @@ INLINE void static_share(int64_t n, int me, int team, int64_t *lo, int64_t *hi) 
 #else
 #define LANES 8
 #endif
+/* The dense weights' layouts (decode_step's ``layout``; model/decode_tiles.py): rows, decode tiles, or
+ * (bfloat16 on a CPU with AMX) the tile unit's blocks (AMX_BLOCK). */
+#define LAYOUT_ROWS 0
+#define LAYOUT_TILES 1
+#define LAYOUT_AMX 2
 
 /* The weight vector of channel c at element i (a multiple of LANES) of a tile at w. */
 INLINE const float *tile_f32_at(const float *w, int64_t in, int tiled, int c, int64_t i) {
@@ -264,6 +270,103 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
         for (int c = 0; c < CHANNELS; ++c) out[r][c] = _mm512_reduce_add_ps(acc[r][c]);
 }
 
+#if defined(KVMOSAIC_AMX)
+/* Decode projections on the tile unit (LAYOUT_AMX). A weight [out, in] is kept as B tiles: for each
+ * block of 16 output channels, its in / 32 tiles in order, each 16 pairs of inputs x 16 channels x 2
+ * (AMX_BLOCK elements, 1 KB: channel n's inputs 2p and 2p + 1 at (p * 16 + n) * 2), so that a thread's
+ * share of the blocks is one sequential stream. The batch's rows (at most AMX_MAX_BATCH) are the A
+ * tiles, 16 rows each; a tile product computes each output from its own row alone, in an order the
+ * hardware fixes: a row's result does not depend on the batch. On an AMX Xeon the four projections of
+ * 30 layers streamed at ~25 GB/s at 1 to 16 rows, against ~17 for oneDNN's packed GEMMs (BENCHMARKS.md,
+ * issue 26, ninth session). */
+#define AMX_BLOCK 512
+#define AMX_MAX_BATCH 32
+/* B tiles asked for ahead (the distance mattered little from 4 to 32): into L1 for one tile of rows (at one
+ * row, the step 11.7-12.1 against 12.3-12.7 ms into L2), into L2 for two, whose A tiles L1 must keep (at 32
+ * rows, 10.5 against 12.8-13.4 ms for the projections alone). */
+#define AMX_AHEAD 8
+
+/* Tiles: 0 and 1 the products of rows 0-15 (a projection's in 0; gate in 0, up in 1), 2 and 3 those of
+ * rows 16-31, 4 and 5 the A tiles of rows 0-15 and 16-31, 6 the B tile. */
+static void amx_configure_step(int64_t batch) {
+    const uint8_t lo = batch < 16 ? (uint8_t)batch : 16, hi = batch > 16 ? (uint8_t)(batch - 16) : 0;
+    const uint8_t rows[8] = {lo, lo, hi, hi, lo, hi, 16, 0};
+    amx_configure(rows);
+}
+
+/* Tiles C (rows 0-15) and C2 (rows 16-31, where two) += x's rows . the nk B tiles at b (x [batch, in]); the
+ * tile numbers are literals (the instructions name their registers). */
+#define AMX_DOTS(C, C2, b)                                                                                                 \
+    for (int64_t kb = 0; kb < nk; ++kb) {                                                                              \
+        const char *ahead = (const char *)((b) + (kb + AMX_AHEAD) * AMX_BLOCK);                                        \
+        if (two)                                                                                                       \
+            for (int line = 0; line < AMX_BLOCK * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T1);             \
+        else                                                                                                           \
+            for (int line = 0; line < AMX_BLOCK * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);             \
+        _tile_loadd(6, (b) + kb * AMX_BLOCK, 64);                                                                      \
+        _tile_loadd(4, x + kb * 32, in * 2);                                                                           \
+        _tile_dpbf16ps(C, 4, 6);                                                                                       \
+        if (two) {                                                                                                     \
+            _tile_loadd(5, x + 16 * in + kb * 32, in * 2);                                                             \
+            _tile_dpbf16ps(C2, 5, 6);                                                                                  \
+        }                                                                                                              \
+    }
+
+/* sums [batch][16] of tiles C (rows 0-15) and C2 (rows 16-31, where two) */
+#define AMX_STORE(C, C2, sums)                                                                                             \
+    _tile_stored(C, (sums)[0], 64);                                                                                    \
+    if (two) _tile_stored(C2, (sums)[16], 64);
+
+/* y [batch, out] = x [batch, in] @ w^T rounded to bfloat16, w in B tiles; shared out among the team by
+ * blocks of 16 channels (ends with the team's barrier); kv: K/V rows asked for as the blocks go, as
+ * project_rows asks per tile of CHANNELS. */
+static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t batch, uint16_t *y,
+                        KvPrefetch *kv) {
+    const int64_t nk = in / 32;
+    const int two = batch > 16;
+    float sums[AMX_MAX_BATCH][16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int64_t cb = 0; cb < out / 16; ++cb) {
+        for (int i = 0; i < 16 / CHANNELS; ++i) kv_prefetch_tile(kv);
+        const uint16_t *b = w + cb * nk * AMX_BLOCK;
+        _tile_zero(0);
+        if (two) _tile_zero(2);
+        AMX_DOTS(0, 2, b)
+        AMX_STORE(0, 2, sums)
+        for (int64_t r = 0; r < batch; ++r)
+            _mm256_storeu_si256((__m256i *)(y + r * out + cb * 16),
+                                _mm512_cvtepi32_epi16(float_to_bf16x16(_mm512_load_ps(sums[r]))));
+    }
+}
+
+/* act [batch, inter] = silu(gate) * up as gate_up_silu computes it (gate and up rounded, silu and the
+ * product too), gate and up from w [2 * inter, in] in B tiles. */
+static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const uint16_t *x, int64_t batch,
+                             uint16_t *act) {
+    const int64_t nk = in / 32;
+    const int two = batch > 16;
+    float gate[AMX_MAX_BATCH][16] __attribute__((aligned(64))), up[AMX_MAX_BATCH][16] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+    for (int64_t cb = 0; cb < inter / 16; ++cb) {
+        const uint16_t *g = w + cb * nk * AMX_BLOCK, *u = w + (inter / 16 + cb) * nk * AMX_BLOCK;
+        _tile_zero(0);
+        _tile_zero(1);
+        if (two) {
+            _tile_zero(2);
+            _tile_zero(3);
+        }
+        AMX_DOTS(0, 2, g)
+        AMX_DOTS(1, 3, u)
+        AMX_STORE(0, 2, gate)
+        AMX_STORE(1, 3, up)
+        for (int64_t r = 0; r < batch; ++r)
+            for (int c = 0; c < 16; ++c)
+                act[r * inter + cb * 16 + c] =
+                    float_to_bf16(round_bf16(silu(round_bf16(gate[r][c]))) * round_bf16(up[r][c]));
+    }
+}
+#endif
+
 #define ELEM uint16_t
 #define NAME(f) f##_bf16
 #define TO_F(x) bf16_to_float(x)
@@ -272,6 +375,22 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
 #define IS_BF16 1
 #include "decode_step_layers.h"
 #endif
+#endif
+
+/* 1 where the step's projections can run on the tile unit (LAYOUT_AMX): built with AMX and granted
+ * by the OS; else 0. */
+int decode_step_amx(void) {
+#if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
+#if defined(KVMOSAIC_AMX)
+#define AMX_MAX_BATCH_ANY AMX_MAX_BATCH
+#else
+#define AMX_MAX_BATCH_ANY 0
 #endif
 
 /* Runs every layer over ``batch`` decode tokens and leaves the final hidden state (the last
@@ -286,19 +405,21 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
  * cos, signed_sin [batch, D] float32 (model/llama.py's tables at the tokens' positions);
  * slot_mapping [batch]: where each token's K/V goes; ctx_slots [batch, max_len] and lens [batch]:
  * each sequence's context, the new token last.
- * head_norm [hidden], head [vocab, hidden] in the projections' layout (the dtype), logits [batch, vocab] float32:
+ * head_norm [hidden], head [vocab, hidden] in decode tiles where layout is LAYOUT_TILES, else in rows (the dtype), logits [batch, vocab] float32:
  * with logits non-NULL, also the model's final RMSNorm and LM head over every row, each logit
  * rounded to the dtype and widened (what linear_rows and a widening give after the step); NULL:
  * the hidden state only.
- * tiled: 1 where the dense weights are in decode tiles, 0 in rows (the same products either way).
+ * layout: the dense weights' (LAYOUT_ROWS, LAYOUT_TILES: the same products either way; LAYOUT_AMX:
+ * bfloat16 only, the tile unit's blocks, at most AMX_MAX_BATCH rows).
  * bf16: 1 for bfloat16, 0 for float32.
  * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for
- * bfloat16), -3 out of memory; with batch 0 it only answers whether it serves the shapes. */
+ * bfloat16; for LAYOUT_AMX, the tile unit granted), -3 out of memory; with batch 0 it only answers
+ * whether it serves the shapes. */
 int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t inter, int64_t heads,
                 int64_t kv_heads, int64_t dim, float eps, float scale, void *stream, const float *cos,
                 const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots, const int64_t *lens,
                 int64_t max_len, int64_t batch, const void *head_norm, const void *head, int64_t vocab, float *logits,
-                int tiled, int bf16, int num_threads) {
+                int layout, int bf16, int num_threads) {
 #if defined(FUSED_F32)
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
@@ -313,22 +434,28 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
 #endif
                 if (bf16) return -1; /* Q4_1 blocks: float32 only */
             }
+    if (layout == LAYOUT_AMX) {
+        if (!bf16 || batch > AMX_MAX_BATCH_ANY || qkv_width % 16 || hidden % 16 || inter % 16) return -1;
+        if (!decode_step_amx()) return -2;
+    } else if (layout != LAYOUT_ROWS && layout != LAYOUT_TILES) {
+        return -1;
+    }
     if (bf16) {
 #if defined(__AVX512BF16__)
         return batch == 0 ? 0 : decode_step_bf16(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
                                                  stream, cos, signed_sin, slot_mapping, ctx_slots, lens, max_len, batch,
-                                                 head_norm, head, vocab, logits, tiled, num_threads);
+                                                 head_norm, head, vocab, logits, layout, num_threads);
 #else
         return -2;
 #endif
     }
     return batch == 0 ? 0 : decode_step_f32(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
                                             stream, cos, signed_sin, slot_mapping, ctx_slots, lens, max_len, batch,
-                                            head_norm, head, vocab, logits, tiled, num_threads);
+                                            head_norm, head, vocab, logits, layout, num_threads);
 #else
     (void)layers, (void)num_layers, (void)hidden, (void)inter, (void)heads, (void)kv_heads, (void)dim, (void)eps;
     (void)scale, (void)stream, (void)cos, (void)signed_sin, (void)slot_mapping, (void)ctx_slots, (void)lens;
-    (void)max_len, (void)batch, (void)head_norm, (void)head, (void)vocab, (void)logits, (void)tiled, (void)bf16;
+    (void)max_len, (void)batch, (void)head_norm, (void)head, (void)vocab, (void)logits, (void)layout, (void)bf16;
     (void)num_threads;
     return -2;
 #endif

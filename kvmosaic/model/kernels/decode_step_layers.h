@@ -1,7 +1,9 @@
 /* The fused decode step's layers for one dtype (decode_step.c includes this once per dtype, with
  * ELEM, NAME, TO_F, FROM_F, ROUND, IS_BF16 and a NAME(dot_tile) defined). A ``tiled`` argument says
- * whether the step's dense weights are in decode tiles (decode_step.c) or in rows: the layout this
- * CPU reads faster (model/decode_tiles.py's interleave), the same products either way. */
+ * whether a product's dense weights are in decode tiles (decode_step.c) or in rows: the layout this
+ * CPU reads faster (model/decode_tiles.py's interleave), the same products either way; a ``layout``
+ * argument (LAYOUT_ROWS, LAYOUT_TILES or, in bfloat16 with AMX, LAYOUT_AMX: the tile unit's) says
+ * which the step's projections are in. */
 
 /* dot_tile with the row count a constant, so the accumulators stay in registers. */
 static void NAME(dots_in)(const ELEM *w, int64_t in, int tiled, int prefetch, const ELEM *x, int64_t x_stride,
@@ -47,9 +49,9 @@ static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled
     }
 }
 
-/* project_rows for a Weight: dense (in decode tiles when tiled), or (float32) Q4_1 blocks; xsum: this
- * thread's block-sum buffer; kv as project_rows' (dense weights only). */
-static void NAME(project)(Weight w, int tiled, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y,
+/* project_rows for a Weight: dense (in ``layout``), or (float32) Q4_1 blocks; xsum: this thread's
+ * block-sum buffer; kv as project_rows' (dense weights only). */
+static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y,
                           float *xsum, KvPrefetch *kv) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (w.d != NULL) {
@@ -58,13 +60,19 @@ static void NAME(project)(Weight w, int tiled, int64_t in, int64_t out, const EL
     }
 #endif
     (void)xsum;
-    NAME(project_rows)(w.w, in, out, tiled, x, batch, y, NULL, kv);
+#if IS_BF16 && defined(KVMOSAIC_AMX)
+    if (layout == LAYOUT_AMX) {
+        project_amx(w.w, in, out, x, batch, y, kv);
+        return;
+    }
+#endif
+    NAME(project_rows)(w.w, in, out, layout == LAYOUT_TILES, x, batch, y, NULL, kv);
 }
 
 /* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
  * the dtype first, silu (elementwise.h's, as the layer path's) and the product too (w [2 * inter,
- * in]: gate rows, then up rows; dense, in decode tiles when tiled, or Q4_1 blocks in float32). */
-static void NAME(gate_up_silu)(Weight weight, int tiled, int64_t in, int64_t inter, const ELEM *x, int64_t batch,
+ * in]: gate rows, then up rows; dense, in ``layout``, or Q4_1 blocks in float32). */
+static void NAME(gate_up_silu)(Weight weight, int layout, int64_t in, int64_t inter, const ELEM *x, int64_t batch,
                                ELEM *act, float *xsum) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (weight.d != NULL) {
@@ -73,8 +81,14 @@ static void NAME(gate_up_silu)(Weight weight, int tiled, int64_t in, int64_t int
     }
 #endif
     (void)xsum;
+#if IS_BF16 && defined(KVMOSAIC_AMX)
+    if (layout == LAYOUT_AMX) {
+        gate_up_silu_amx(weight.w, in, inter, x, batch, act);
+        return;
+    }
+#endif
     const ELEM *w = weight.w;
-    const int prefetch = prefetch_next(tiled, batch);
+    const int tiled = layout == LAYOUT_TILES, prefetch = prefetch_next(tiled, batch);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < inter / CHANNELS; ++t) {
         for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
@@ -136,7 +150,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                              int64_t kv_heads, int64_t dim, float eps, float scale, ELEM *stream, const float *cos,
                              const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots,
                              const int64_t *lens, int64_t max_len, int64_t batch, const ELEM *head_norm,
-                             const ELEM *head, int64_t vocab, float *logits, int tiled, int num_threads) {
+                             const ELEM *head, int64_t vocab, float *logits, int layout, int num_threads) {
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (num_threads < 1) num_threads = 1;
@@ -188,6 +202,9 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             keys += kv_first.keys;
         }
         const int64_t most = KV_PREFETCH_BYTES / (2 * kv_first.row_bytes), my_tiles = tiles_hi - tiles_lo;
+#if IS_BF16 && defined(KVMOSAIC_AMX)
+        if (layout == LAYOUT_AMX) amx_configure_step(batch);
+#endif
         keys = keys < most ? keys : most;
         kv_first.per_tile = my_tiles > 0 ? (keys + my_tiles - 1) / my_tiles : 0;
         PHASE_START;
@@ -207,7 +224,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             }
             KvPrefetch kv = kv_first; /* this layer's pools, the same keys */
             kv.k_pool = (const char *)k_pool, kv.v_pool = (const char *)v_pool;
-            NAME(project)(w_qkv, tiled, hidden, qkv_width, h, batch, wide, xsum, &kv);
+            NAME(project)(w_qkv, layout, hidden, qkv_width, h, batch, wide, xsum, &kv);
             PHASE_MARK(0)
             for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q, &kv);
 #pragma omp barrier
@@ -222,14 +239,14 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                     for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
                 }
             }
-            NAME(project)(w_o, tiled, q_width, hidden, attn, batch, delta, xsum, NULL);
+            NAME(project)(w_o, layout, q_width, hidden, attn, batch, delta, xsum, NULL);
             PHASE_MARK(2)
             NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm2, h, batch, hidden, eps,
                          share_lo, share_hi);
             ++updates;
-            NAME(gate_up_silu)(w_gate_up, tiled, hidden, inter, h, batch, wide, xsum);
+            NAME(gate_up_silu)(w_gate_up, layout, hidden, inter, h, batch, wide, xsum);
             PHASE_MARK(3)
-            NAME(project)(w_down, tiled, inter, hidden, wide, batch, delta, xsum, NULL);
+            NAME(project)(w_down, layout, inter, hidden, wide, batch, delta, xsum, NULL);
             PHASE_MARK(4)
         }
         const ELEM *last = buffers[updates % 2];
@@ -242,9 +259,12 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             for (int64_t i = 0; i < rows; ++i) res[i] = FROM_F(TO_F(last[i]) + TO_F(delta[i]));
             for (int64_t b = 0; b < batch; ++b)
                 rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
-            NAME(project_rows)(head, hidden, vocab, tiled, h, batch, NULL, logits, NULL);
+            NAME(project_rows)(head, hidden, vocab, layout == LAYOUT_TILES, h, batch, NULL, logits, NULL);
             PHASE_MARK(5)
         }
+#if IS_BF16 && defined(KVMOSAIC_AMX)
+        if (layout == LAYOUT_AMX) _tile_release();
+#endif
     }
     free(scratch), free(parts), free(first);
     return 0;

@@ -20,33 +20,16 @@
 
 #include "prefill_softmax.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(KVMOSAIC_NO_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx.h"
+#if defined(KVMOSAIC_AMX)
 
 #define AMX_ROWS 16 /* query rows per tile: a tile register's rows */
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-/* Linux hands out the tile state only to processes that ask (once; the answer holds for every thread). */
-static int amx_permitted(void) {
-    static int state; /* 0: not asked; 1: granted; -1: refused (a kernel or hypervisor without AMX state) */
-    if (state == 0) state = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0 ? 1 : -1;
-    return state == 1;
-}
 
 /* Every tile register 16 rows of 64 bytes: A as 16 rows x 32 bfloat16, B as 16 pair rows x 16 x 2, C as
  * 16 x 16 float32. Tiles 0-3: C (S in 0, 1; P.V's output in 0-3); 4: A (Q's chunk, then P); 5-7: B. */
 static void configure_tiles(void) {
-    struct {
-        uint8_t palette_id, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } config __attribute__((aligned(64)));
-    memset(&config, 0, sizeof config);
-    config.palette_id = 1;
-    for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = 16;
-    _tile_loadconfig(&config);
+    static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+    amx_configure(rows);
 }
 
 /* P.V over one key block for four 16-dim column groups from g: tiles 0-3 from zero, stored to out (row stride
@@ -114,7 +97,7 @@ static void tile_amx(const uint16_t *q, const int64_t *last, int nr, const uint1
 
 /* 1 where bfloat16 prefill attention runs on AMX tiles in this process (built with AMX, granted by the OS). */
 int prefill_attention_amx_ready(void) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(KVMOSAIC_NO_AMX)
+#if defined(KVMOSAIC_AMX)
     return amx_permitted();
 #else
     return 0;
@@ -126,7 +109,7 @@ int prefill_attention_amx_ready(void) {
 int prefill_attention_amx(const uint16_t *q, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots,
                           const int64_t *positions, int64_t ctx, int64_t num_tokens, int64_t heads, int64_t kv_heads,
                           int64_t dim, int64_t q_stride, float scale, uint16_t *out, int num_threads) {
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(KVMOSAIC_NO_AMX)
+#if defined(KVMOSAIC_AMX)
     if (!amx_permitted()) return -2;
     if ((dim != 64 && dim != 128) || kv_heads < 1 || heads % kv_heads || num_tokens > ctx || num_tokens < 0) return -1;
     if (num_tokens == 0) return 0;
