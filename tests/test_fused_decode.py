@@ -24,7 +24,7 @@ import torch
 from kvmosaic import SamplingParams
 from kvmosaic.model import decode_tiles
 from kvmosaic.model.attention import AttentionMetadata, DecodeBatch
-from kvmosaic.model.fused_decode import AMX_MAX_ROWS, TILE_STEP_MAX_ROWS, FusedDecode
+from kvmosaic.model.fused_decode import AMX_MAX_ROWS, KV_AHEAD_BYTES, TILE_STEP_MAX_ROWS, FusedDecode, kv_ahead_bytes
 from kvmosaic.model.packed_linear import amx_gemms
 from tests.conftest import assert_greedy_within, make_llm, record_logits
 from tests.test_batch_composition import BF16_LOGIT_TOL
@@ -219,6 +219,32 @@ def test_both_weight_layouts_give_the_same_steps_bit_for_bit(dtype, monkeypatch)
     llm.generate(_prompts(llm.tokenizer), [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 5, 7)])
     assert compared and max(compared) == 3
     llm.engine.pool.check_invariants()
+
+
+def test_asking_for_the_kv_ahead_of_attention_changes_no_result(monkeypatch):
+    """The QKV projection's K/V prefetch (``kv_ahead``: AMD CPUs only, ``kv_ahead_bytes``) only moves
+    lines: the step's hidden states and logits are the same bits with it and without."""
+    llm = _fused_llm("bfloat16", num_kv_blocks=128)
+    compared = []
+
+    def both(fused, x, positions, kv, meta, logits_index):
+        ahead = copy.copy(fused)
+        ahead.kv_ahead = KV_AHEAD_BYTES if fused.kv_ahead == 0 else 0
+        assert torch.equal(ahead(x, positions, kv, meta), fused(x, positions, kv, meta))
+        logits = fused.step(x, positions, kv, meta, logits_index)
+        assert torch.equal(ahead.step(x, positions, kv, meta, logits_index), logits)
+        compared.append(x.shape[0])
+        return logits
+
+    _around_fused_steps(llm.engine.model, monkeypatch, both)
+    llm.generate(_prompts(llm.tokenizer), [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (3, 5, 7)])
+    assert compared and max(compared) == 3
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+def test_the_kv_is_asked_for_ahead_only_where_the_weights_are_interleaved(interleaved, monkeypatch):
+    monkeypatch.setattr(decode_tiles, "interleave", lambda: interleaved)
+    assert kv_ahead_bytes() == (KV_AHEAD_BYTES if interleaved else 0)
 
 
 def test_on_the_tile_unit_a_row_alone_equals_the_row_in_two_tiles_of_rows_and_the_vector_steps_within_tolerance(

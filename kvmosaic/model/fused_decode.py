@@ -42,6 +42,15 @@ log = logging.getLogger("kvmosaic")
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 AMX_MAX_ROWS = 8
 TILE_STEP_MAX_ROWS = 32  # the step's projections on the tile unit: two A tiles of 16 rows (decode_step.c)
+KV_AHEAD_BYTES = 4 << 20  # K/V a thread's QKV projection asks for a layer, ahead of attention, where it pays
+
+
+def kv_ahead_bytes() -> int:
+    """K/V bytes a layer's QKV projection asks for ahead of attention (decode_step.c's ``kv_ahead``): on an
+    AMD EPYC (Zen 4) the step 1.5-9% faster with them, on an AMX Xeon 5-30% slower (the more rows, the
+    more; BENCHMARKS.md, issue 26, ninth session), so only where the weights are interleaved decode
+    tiles: the AMD CPUs' layout (``decode_tiles.interleave``)."""
+    return KV_AHEAD_BYTES if decode_tiles.interleave() else 0
 AMX_HEAD_MAX_ROWS = 4  # oneDNN's packed head after the step past this, where its GEMMs run on AMX tiles
 
 
@@ -96,6 +105,7 @@ class FusedDecode:
         # the projections' layout (decode_tiles.ROWS, TILES or AMX): the process's (step_layout), in
         # which the weights were converted; a head in the step is in decode_tiles.head_layout()
         self.layout = decode_tiles.step_layout(dtype) if layout is None else layout
+        self.kv_ahead = kv_ahead_bytes()
         # [layer][(w, d, m) of qkv, o, gate_up, down, norm1, norm2]: the C step's pointers, kept alive
         self.weights = weights
         # (final norm weight, head weight in the step's layout) where the step can end with the head
@@ -223,5 +233,5 @@ class FusedDecode:
             pointers, layers, hidden, inter, heads, kv_heads, dim, self.eps, self.scale,
             *(None if t is None else t.data_ptr() for t in tensors), max_len, batch,
             *(None if t is None else t.data_ptr() for t in (norm, tiles)), 0 if tiles is None else tiles.shape[0],
-            None if logits is None else logits.data_ptr(), self.layout, int(self.dtype == torch.bfloat16),
+            None if logits is None else logits.data_ptr(), self.layout, self.kv_ahead, int(self.dtype == torch.bfloat16),
             torch.get_num_threads())

@@ -73,14 +73,14 @@ typedef struct {
 } AttentionStep;
 
 /* Each thread's attention tasks are fixed in advance (static_share: the tasks are equal chunks of
- * keys but a row's last), and its QKV projection asks for their K and V rows into L2 a few rows per
- * weight tile (kv_prefetch_tile), up to KV_PREFETCH_BYTES a layer (lines pushed out of L2 wait in
- * the L3; past that they would be pushed out of it too before attention reads them). Alone,
- * attention waited on those reads at ~16 GB/s with the memory otherwise idle; beside the
- * projection's stream they come in at its rate (bfloat16 on the Zen 4 EPYC, libraries alternated:
- * the step 1.5-3.5% faster at batch 1, 3-10% at 4, 4% at 8, 9% at 16, the same at 32;
- * BENCHMARKS.md). Prefetches only: the results do not change. */
-#define KV_PREFETCH_BYTES ((int64_t)4 << 20)
+ * keys but a row's last), and where the caller asks (kv_ahead bytes a layer, decode_step's argument)
+ * its QKV projection asks for their K and V rows into L2 a few rows per weight tile
+ * (kv_prefetch_tile; lines pushed out of L2 wait in the L3). On the Zen 4 EPYC attention alone waited
+ * on those reads at ~16 GB/s with the memory otherwise idle, and beside the projection's stream they
+ * came in at its rate (up to 4 MB a layer: the step 1.5-3.5% faster at batch 1, 3-10% at 4, 4% at 8,
+ * 9% at 16, the same at 32); on the AMX Xeon the same made the step slower at every batch (5-8% at 1,
+ * 20% at 8, 30% at 16: BENCHMARKS.md, issue 26, ninth session). Prefetches only: the results do not
+ * change. */
 /* A weight tile's share of the thread's K/V rows: the rows asked for per tile (per_tile). */
 INLINE void kv_prefetch_tile(KvPrefetch *kv) {
     if (kv != NULL) kv_prefetch_rows(kv, kv->per_tile);
@@ -411,6 +411,7 @@ int decode_step_amx(void) {
  * the hidden state only.
  * layout: the dense weights' (LAYOUT_ROWS, LAYOUT_TILES: the same products either way; LAYOUT_AMX:
  * bfloat16 only, the tile unit's blocks, at most AMX_MAX_BATCH rows).
+ * kv_ahead: bytes of each thread's K/V rows its QKV projection asks for a layer, ahead of attention (0: none).
  * bf16: 1 for bfloat16, 0 for float32.
  * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for
  * bfloat16; for LAYOUT_AMX, the tile unit granted), -3 out of memory; with batch 0 it only answers
@@ -419,7 +420,7 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
                 int64_t kv_heads, int64_t dim, float eps, float scale, void *stream, const float *cos,
                 const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots, const int64_t *lens,
                 int64_t max_len, int64_t batch, const void *head_norm, const void *head, int64_t vocab, float *logits,
-                int layout, int bf16, int num_threads) {
+                int layout, int64_t kv_ahead, int bf16, int num_threads) {
 #if defined(FUSED_F32)
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
@@ -444,18 +445,18 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
 #if defined(__AVX512BF16__)
         return batch == 0 ? 0 : decode_step_bf16(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
                                                  stream, cos, signed_sin, slot_mapping, ctx_slots, lens, max_len, batch,
-                                                 head_norm, head, vocab, logits, layout, num_threads);
+                                                 head_norm, head, vocab, logits, layout, kv_ahead, num_threads);
 #else
         return -2;
 #endif
     }
     return batch == 0 ? 0 : decode_step_f32(layers, num_layers, hidden, inter, heads, kv_heads, dim, eps, scale,
                                             stream, cos, signed_sin, slot_mapping, ctx_slots, lens, max_len, batch,
-                                            head_norm, head, vocab, logits, layout, num_threads);
+                                            head_norm, head, vocab, logits, layout, kv_ahead, num_threads);
 #else
     (void)layers, (void)num_layers, (void)hidden, (void)inter, (void)heads, (void)kv_heads, (void)dim, (void)eps;
     (void)scale, (void)stream, (void)cos, (void)signed_sin, (void)slot_mapping, (void)ctx_slots, (void)lens;
-    (void)max_len, (void)batch, (void)head_norm, (void)head, (void)vocab, (void)logits, (void)layout, (void)bf16;
+    (void)max_len, (void)batch, (void)head_norm, (void)head, (void)vocab, (void)logits, (void)layout, (void)kv_ahead, (void)bf16;
     (void)num_threads;
     return -2;
 #endif

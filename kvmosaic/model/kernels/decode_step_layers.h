@@ -150,7 +150,8 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                              int64_t kv_heads, int64_t dim, float eps, float scale, ELEM *stream, const float *cos,
                              const float *signed_sin, const int64_t *slot_mapping, const int64_t *ctx_slots,
                              const int64_t *lens, int64_t max_len, int64_t batch, const ELEM *head_norm,
-                             const ELEM *head, int64_t vocab, float *logits, int layout, int num_threads) {
+                             const ELEM *head, int64_t vocab, float *logits, int layout, int64_t kv_ahead,
+                             int num_threads) {
     const int64_t group = kv_heads > 0 ? heads / kv_heads : 0;
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (num_threads < 1) num_threads = 1;
@@ -201,7 +202,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             kv_prefetch_task(&kv_first, t);
             keys += kv_first.keys;
         }
-        const int64_t most = KV_PREFETCH_BYTES / (2 * kv_first.row_bytes), my_tiles = tiles_hi - tiles_lo;
+        const int64_t most = kv_ahead / (2 * kv_first.row_bytes), my_tiles = tiles_hi - tiles_lo;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
         if (layout == LAYOUT_AMX) amx_configure_step(batch);
 #endif
