@@ -90,7 +90,8 @@ def test_the_tiled_head_computes_each_row_alone_and_as_f_linear_does(dtype):
 
 
 def test_a_packed_model_takes_the_tiled_head(dtype):
-    """Except where oneDNN's GEMM runs on AMX tiles: there its packed head is as fast at one row."""
+    """Except where oneDNN's GEMM runs on AMX tiles: there its packed head is as fast at one row, and where
+    the fused step's projections are on the tile unit, its tile product is the head."""
     from kvmosaic.model.config import ModelConfig
     from kvmosaic.model.llama import LlamaForCausalLM
 
@@ -102,7 +103,9 @@ def test_a_packed_model_takes_the_tiled_head(dtype):
             p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
     model = model.to(dtype)
     model.pack_linears()
-    assert type(model.head_proj) is (PackedLinear if amx_gemms(dtype) else decode_tiles.TiledLinear)
+    on_tiles = dtype == torch.bfloat16 and decode_tiles.amx_blocks()
+    assert type(model.head_proj) is (decode_tiles.AmxLinear if on_tiles and amx_gemms(dtype)
+                                     else PackedLinear if amx_gemms(dtype) else decode_tiles.TiledLinear)
     h = torch.randn(3, model.config.hidden_size).to(dtype)
     torch.testing.assert_close(model.compute_logits(h), torch.nn.functional.linear(model.norm(h), model.output_weight).float(),
                                rtol=2**-7 if dtype == torch.bfloat16 else 1e-5, atol=1e-2 if dtype == torch.bfloat16 else 1e-5)
@@ -169,3 +172,21 @@ def test_this_cpus_vendor_is_read():
     with open("/proc/cpuinfo") as f:
         listed = "vendor_id" in f.read()
     assert (decode_tiles.cpu_vendor() != "") == listed
+
+
+def test_the_tile_units_head_computes_each_row_alone_at_any_batch_and_as_f_linear_does():
+    """``AmxLinear`` (the LM head where the step's projections are on the tile unit): a row's result is
+    the same bits alone, in one or two tiles of rows, and past 32 rows (tiles of 32, the last padded);
+    within one bfloat16 rounding of ``F.linear``."""
+    if not decode_tiles.amx_blocks():
+        pytest.skip("the step's projections are not on the tile unit here (no AMX, or not granted)")
+    w = _weight(torch.bfloat16, 256, 128)
+    head = decode_tiles.try_amx(w)
+    assert head is not None and torch.equal(head.weight, w)
+    x = torch.randn(70, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    batch = head(x)
+    for rows in (1, 5, 16, 17, 32, 33, 64):
+        assert torch.equal(head(x[:rows]), batch[:rows]), f"{rows} rows"
+    assert torch.equal(head(x[69:70]), batch[69:70])
+    want = torch.nn.functional.linear(x, w).float()
+    assert ((batch.float() - want).abs() <= 2**-7 * want.abs().max()).all()

@@ -184,18 +184,15 @@ def test_past_head_max_rows_the_models_head_runs_after_the_step(monkeypatch):
 
 
 def _in_layout(fused: FusedDecode, layout: int) -> FusedDecode:
-    """The same step over its dense weights in ``layout`` (a head in the step in rows for ROWS and AMX,
-    in tiles for TILES)."""
+    """The same step over its dense weights and its head in ``layout`` (the C step reads the head in the
+    projections' layout)."""
     def convert(t: torch.Tensor, was: int) -> torch.Tensor:
         return decode_tiles.to_layout(decode_tiles.from_layout(t, was), layout)
 
     weights = [[convert(t, fused.layout) if i in (0, 3, 6, 9) else t for i, t in enumerate(layer)]
                for layer in fused.weights]
     other = FusedDecode(fused.model, weights, fused.dtype, layout=layout)
-    head_layout = decode_tiles.TILES if layout == decode_tiles.TILES else decode_tiles.ROWS
-    other.head = None if fused.head is None else (
-        fused.head[0], decode_tiles.to_layout(decode_tiles.from_layout(fused.head[1], decode_tiles.head_layout()),
-                                              head_layout))
+    other.head = None if fused.head is None else (fused.head[0], convert(fused.head[1], fused.layout))
     return other
 
 

@@ -208,3 +208,44 @@ def try_tiled(weight: torch.Tensor) -> TiledLinear | None:
     got, want = layer(x).float(), nn.functional.linear(x, weight).float()
     rounding = 1e-5 if weight.dtype == torch.float32 else 2**-7  # a bfloat16 result: one step of rounding
     return layer if (got - want).abs().max() <= rounding * want.abs().max() else None
+
+
+class AmxLinear(nn.Module):
+    """A bias-free linear layer over a bfloat16 weight kept as the tile unit's B tiles only (``to_amx``),
+    computed by the fused step's tile product (``linear_amx``): every row on its own, the same bits as the
+    step's LM head where the step's projections are on the tile unit (``amx_blocks``). Past 32 rows in
+    tiles of 32 rows, each block of the weight read once for them all. The LM head there: it replaces
+    oneDNN's packed copy, so the memory is the same (the embedding keeps its rows). ``weight``: the rows
+    (a copy)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("blocks", to_amx(weight.detach()), persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return from_amx(self.blocks)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.in_features).to(self.blocks.dtype).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=self.blocks.dtype)
+        rc = kernels.decode_step_library().linear_amx(self.blocks.data_ptr(), self.in_features, self.out_features,
+                                                      rows.data_ptr(), rows.shape[0], out.data_ptr(),
+                                                      torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"linear_amx failed (code {rc})")
+        return out.view(*lead, self.out_features)
+
+
+def try_amx(weight: torch.Tensor) -> AmxLinear | None:
+    """An AmxLinear for ``weight`` where the step's projections are on the tile unit here and it gives
+    what ``F.linear`` gives up to one bfloat16 rounding (checked on a few rows), else None."""
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16 or not amx_blocks() \
+            or not tileable(weight, AMX):
+        return None
+    layer = AmxLinear(weight)
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    got, want = layer(x).float(), nn.functional.linear(x, weight).float()
+    return layer if (got - want).abs().max() <= 2**-7 * want.abs().max() else None

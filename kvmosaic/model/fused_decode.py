@@ -74,10 +74,11 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
     return (module.decode_weight(),) if type(module) is PackedLinear else (decode_tiles.to_step_layout(w),)
 
 
-def _step_head(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+def _step_head(model: nn.Module, dtype: torch.dtype, layout: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(final norm weight, head weight in the step's layout) where the step can end with the model's
-    head after a plain RMSNorm in ``dtype``: a ``decode_tiles.TiledLinear`` (``pack_linears``'
-    choice where oneDNN's GEMMs are not on AMX tiles), or oneDNN's packed head where the step reads
+    head after a plain RMSNorm in ``dtype``, in the projections' ``layout``: a ``decode_tiles.AmxLinear``
+    where they are on the tile unit, a ``decode_tiles.TiledLinear`` (``pack_linears'`` choice where
+    oneDNN's GEMMs are not on AMX tiles), or oneDNN's packed head where the step reads
     rows, whose kept rows are then the step's layout (on an AMX Xeon the head in the step read its
     56 MB in 1.8 ms, and a batch-1 step took 12.3-12.8 against 13.2-13.3 ms with oneDNN's head after
     it; at 4 rows 2% faster, at 8 3% slower: ``AMX_HEAD_MAX_ROWS``; BENCHMARKS.md, issue 26, eighth
@@ -87,6 +88,10 @@ def _step_head(model: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     head, norm = model.head_proj, model.norm
     if type(norm) is not RMSNorm or norm.weight.dtype != dtype or norm.eps != model.config.rms_norm_eps:
         return None  # the step norms with the layers' eps
+    if type(head) is decode_tiles.AmxLinear:
+        return (norm.weight.detach().contiguous(), head.blocks) if layout == decode_tiles.AMX else None
+    if layout == decode_tiles.AMX:
+        return None
     if type(head) is decode_tiles.TiledLinear and head.tiles.dtype == dtype:
         return norm.weight.detach().contiguous(), head.tiles
     if type(head) is PackedLinear and decode_tiles.head_layout() == decode_tiles.ROWS and head.kept.dtype == dtype \
@@ -110,7 +115,7 @@ class FusedDecode:
         self.weights = weights
         # (final norm weight, head weight in the step's layout) where the step can end with the head
         # (_step_head), the logits then out of the same C call (see step); else None
-        self.head = _step_head(model, dtype)
+        self.head = _step_head(model, dtype, self.layout)
         self.shape = (cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
                       cfg.head_dim)
         self.eps, self.scale = float(cfg.rms_norm_eps), float(model.layers[0].scale)
@@ -121,7 +126,8 @@ class FusedDecode:
         # the tile unit serves two tiles of rows.
         self.max_rows = (TILE_STEP_MAX_ROWS if self.layout == decode_tiles.AMX
                          else AMX_MAX_ROWS if amx_gemms(dtype) else None)
-        self.head_max_rows = AMX_HEAD_MAX_ROWS if amx_gemms(dtype) else None  # rows the head in the step serves
+        # rows the head in the step serves (all the step does, but where oneDNN's head on AMX tiles is faster)
+        self.head_max_rows = AMX_HEAD_MAX_ROWS if amx_gemms(dtype) and self.layout != decode_tiles.AMX else None
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedDecode | None:

@@ -254,9 +254,11 @@ class LlamaForCausalLM(nn.Module):
         (CPU bfloat16: identical; float32: to rounding, see packed_linear.py), and the LM head
         for the C product over decode tiles (``decode_tiles.TiledLinear``: a few rows at the
         memory bandwidth, each row on its own), or a packed one where that does not serve or
-        oneDNN's GEMM runs on AMX tiles (as fast at one row, 7x faster at 32: ``amx_gemms``).
+        oneDNN's GEMM runs on AMX tiles (as fast at one row, 7x faster at 32: ``amx_gemms``) —
+        there, where the fused step's projections are on the tile unit, its tile product
+        (``decode_tiles.AmxLinear``: the step's head at every batch it serves, each row on its own).
         Returns how many were swapped."""
-        from .decode_tiles import try_tiled
+        from .decode_tiles import try_amx, try_tiled
         from .packed_linear import amx_gemms, try_pack
 
         count = 0
@@ -266,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
                 if packed is not None:
                     setattr(layer, name, packed)
                     count += 1
-        tiled = None if amx_gemms(self.output_weight.dtype) else try_tiled(self.output_weight)
+        tiled = try_amx(self.output_weight) if amx_gemms(self.output_weight.dtype) else try_tiled(self.output_weight)
         self.head_proj = tiled or try_pack(self.output_weight)
         self._fused = False
         return count + (self.head_proj is not None)

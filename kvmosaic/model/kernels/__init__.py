@@ -121,6 +121,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
         "decode_step": (i32, [ptr] + [i64] * 6 + [f32, f32] + [ptr] * 6 + [i64, i64, ptr, ptr, i64, ptr, i32, i64, i32,
                                                                              i32]),
         "linear_rows": (i32, [ptr, i64, i64, i32, ptr, i64, ptr, i32, i32]),
+        "linear_amx": (i32, [ptr, i64, i64, ptr, i64, ptr, i32]),
         "decode_tile_shape": (i32, [i32, ptr]),
         "decode_step_amx": (i32, []),
         "prefill_attention": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),

@@ -294,9 +294,9 @@ static void amx_configure_step(int64_t batch) {
     amx_configure(rows);
 }
 
-/* Tiles C (rows 0-15) and C2 (rows 16-31, where two) += x's rows . the nk B tiles at b (x [batch, in]); the
+/* Tiles C (rows 0-15) and C2 (rows 16-31, where two) += the rows of x ([rows, in]) . the nk B tiles at b; the
  * tile numbers are literals (the instructions name their registers). */
-#define AMX_DOTS(C, C2, b)                                                                                                 \
+#define AMX_DOTS(C, C2, b, x)                                                                                                 \
     for (int64_t kb = 0; kb < nk; ++kb) {                                                                              \
         const char *ahead = (const char *)((b) + (kb + AMX_AHEAD) * AMX_BLOCK);                                        \
         if (two)                                                                                                       \
@@ -304,10 +304,10 @@ static void amx_configure_step(int64_t batch) {
         else                                                                                                           \
             for (int line = 0; line < AMX_BLOCK * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);             \
         _tile_loadd(6, (b) + kb * AMX_BLOCK, 64);                                                                      \
-        _tile_loadd(4, x + kb * 32, in * 2);                                                                           \
+        _tile_loadd(4, (x) + kb * 32, in * 2);                                                                         \
         _tile_dpbf16ps(C, 4, 6);                                                                                       \
         if (two) {                                                                                                     \
-            _tile_loadd(5, x + 16 * in + kb * 32, in * 2);                                                             \
+            _tile_loadd(5, (x) + 16 * in + kb * 32, in * 2);                                                           \
             _tile_dpbf16ps(C2, 5, 6);                                                                                  \
         }                                                                                                              \
     }
@@ -317,25 +317,34 @@ static void amx_configure_step(int64_t batch) {
     _tile_stored(C, (sums)[0], 64);                                                                                    \
     if (two) _tile_stored(C2, (sums)[16], 64);
 
-/* y [batch, out] = x [batch, in] @ w^T rounded to bfloat16, w in B tiles; shared out among the team by
- * blocks of 16 channels (ends with the team's barrier); kv: K/V rows asked for as the blocks go, as
- * project_rows asks per tile of CHANNELS. */
-static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t batch, uint16_t *y,
-                        KvPrefetch *kv) {
+/* y [batch, out] = x [batch, in] @ w^T rounded to bfloat16 (with y NULL, the same values widened to float32
+ * into yf: logits), w in B tiles; shared out among the team by blocks of 16 channels (ends with the team's
+ * barrier); kv: K/V rows asked for as the blocks go, as project_rows asks per tile of CHANNELS. With
+ * groups > 1, x holds groups * 32 rows (tiles configured for two full tiles of rows), each block's B tiles
+ * read from memory once for them all, and only the first batch rows are written. */
+static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t batch, int64_t groups,
+                        uint16_t *y, float *yf, KvPrefetch *kv) {
     const int64_t nk = in / 32;
-    const int two = batch > 16;
     float sums[AMX_MAX_BATCH][16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
     for (int64_t cb = 0; cb < out / 16; ++cb) {
         for (int i = 0; i < 16 / CHANNELS; ++i) kv_prefetch_tile(kv);
         const uint16_t *b = w + cb * nk * AMX_BLOCK;
-        _tile_zero(0);
-        if (two) _tile_zero(2);
-        AMX_DOTS(0, 2, b)
-        AMX_STORE(0, 2, sums)
-        for (int64_t r = 0; r < batch; ++r)
-            _mm256_storeu_si256((__m256i *)(y + r * out + cb * 16),
-                                _mm512_cvtepi32_epi16(float_to_bf16x16(_mm512_load_ps(sums[r]))));
+        for (int64_t group = 0; group < groups; ++group) {
+            const int64_t r0 = group * AMX_MAX_BATCH, rows = batch - r0 < AMX_MAX_BATCH ? batch - r0 : AMX_MAX_BATCH;
+            const int two = groups > 1 || batch > 16;
+            _tile_zero(0);
+            if (two) _tile_zero(2);
+            AMX_DOTS(0, 2, b, x + r0 * in)
+            AMX_STORE(0, 2, sums)
+            for (int64_t r = 0; r < rows; ++r) {
+                const __m512i v = float_to_bf16x16(_mm512_load_ps(sums[r]));
+                if (y != NULL)
+                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * out + cb * 16), _mm512_cvtepi32_epi16(v));
+                else
+                    _mm512_storeu_ps(yf + (r0 + r) * out + cb * 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+            }
+        }
     }
 }
 
@@ -355,8 +364,8 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
             _tile_zero(2);
             _tile_zero(3);
         }
-        AMX_DOTS(0, 2, g)
-        AMX_DOTS(1, 3, u)
+        AMX_DOTS(0, 2, g, x)
+        AMX_DOTS(1, 3, u, x)
         AMX_STORE(0, 2, gate)
         AMX_STORE(1, 3, up)
         for (int64_t r = 0; r < batch; ++r)
@@ -405,7 +414,7 @@ int decode_step_amx(void) {
  * cos, signed_sin [batch, D] float32 (model/llama.py's tables at the tokens' positions);
  * slot_mapping [batch]: where each token's K/V goes; ctx_slots [batch, max_len] and lens [batch]:
  * each sequence's context, the new token last.
- * head_norm [hidden], head [vocab, hidden] in decode tiles where layout is LAYOUT_TILES, else in rows (the dtype), logits [batch, vocab] float32:
+ * head_norm [hidden], head [vocab, hidden] in the projections' layout (the dtype), logits [batch, vocab] float32:
  * with logits non-NULL, also the model's final RMSNorm and LM head over every row, each logit
  * rounded to the dtype and widened (what linear_rows and a widening give after the step); NULL:
  * the hidden state only.
@@ -436,7 +445,8 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
                 if (bf16) return -1; /* Q4_1 blocks: float32 only */
             }
     if (layout == LAYOUT_AMX) {
-        if (!bf16 || batch > AMX_MAX_BATCH_ANY || qkv_width % 16 || hidden % 16 || inter % 16) return -1;
+        if (!bf16 || batch > AMX_MAX_BATCH_ANY || qkv_width % 16 || hidden % 16 || inter % 16 || (head && vocab % 16))
+            return -1;
         if (!decode_step_amx()) return -2;
     } else if (layout != LAYOUT_ROWS && layout != LAYOUT_TILES) {
         return -1;
@@ -479,6 +489,40 @@ int decode_tile_shape(int bf16, int64_t *shape) {
     return 0;
 #else
     (void)bf16, (void)shape;
+    return -2;
+#endif
+}
+
+/* y [batch, out] = x [batch, in] @ w^T in bfloat16, w [out, in] in the tile unit's B tiles (LAYOUT_AMX), each row
+ * on its own as in the fused step (its LM head: model/decode_tiles.py's AmxLinear); any batch (past
+ * AMX_MAX_BATCH rows, in tiles of 32 rows, each block of the weight read once for them all). Returns 0, -1 for
+ * shapes it does not serve, -2 without the tile unit, -3 out of memory. */
+int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t batch, void *y, int num_threads) {
+#if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
+    if (in % 32 || out % 16 || batch < 0) return -1;
+    if (!amx_permitted()) return -2;
+    if (batch == 0) return 0;
+    const int64_t groups = batch <= AMX_MAX_BATCH ? 1 : (batch + AMX_MAX_BATCH - 1) / AMX_MAX_BATCH;
+    const uint16_t *rows = x;
+    uint16_t *padded = NULL;
+    if (groups > 1) { /* whole tiles of rows: the last one padded with zero rows, computed and let go */
+        const size_t bytes = (size_t)(groups * AMX_MAX_BATCH * in) * sizeof(uint16_t);
+        padded = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (padded == NULL) return -3;
+        memcpy(padded, x, (size_t)(batch * in) * sizeof(uint16_t));
+        memset(padded + batch * in, 0, bytes - (size_t)(batch * in) * sizeof(uint16_t));
+        rows = padded;
+    }
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+        amx_configure_step(groups > 1 ? AMX_MAX_BATCH : batch);
+        project_amx(w, in, out, rows, batch, groups, y, NULL, NULL);
+        _tile_release();
+    }
+    free(padded);
+    return 0;
+#else
+    (void)w, (void)in, (void)out, (void)x, (void)batch, (void)y, (void)num_threads;
     return -2;
 #endif
 }

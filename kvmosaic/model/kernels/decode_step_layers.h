@@ -62,7 +62,7 @@ static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const E
     (void)xsum;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
     if (layout == LAYOUT_AMX) {
-        project_amx(w.w, in, out, x, batch, y, kv);
+        project_amx(w.w, in, out, x, batch, 1, y, NULL, kv);
         return;
     }
 #endif
@@ -260,7 +260,12 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             for (int64_t i = 0; i < rows; ++i) res[i] = FROM_F(TO_F(last[i]) + TO_F(delta[i]));
             for (int64_t b = 0; b < batch; ++b)
                 rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
-            NAME(project_rows)(head, hidden, vocab, layout == LAYOUT_TILES, h, batch, NULL, logits, NULL);
+#if IS_BF16 && defined(KVMOSAIC_AMX)
+            if (layout == LAYOUT_AMX)
+                project_amx(head, hidden, vocab, h, batch, 1, NULL, logits, NULL);
+            else
+#endif
+                NAME(project_rows)(head, hidden, vocab, layout == LAYOUT_TILES, h, batch, NULL, logits, NULL);
             PHASE_MARK(5)
         }
 #if IS_BF16 && defined(KVMOSAIC_AMX)
