@@ -24,7 +24,7 @@ import torch
 from kvmosaic import SamplingParams
 from kvmosaic.model import decode_tiles
 from kvmosaic.model.attention import AttentionMetadata, DecodeBatch
-from kvmosaic.model.fused_decode import AMX_MAX_ROWS, KV_AHEAD_BYTES, TILE_STEP_MAX_ROWS, FusedDecode, kv_ahead_bytes
+from kvmosaic.model.fused_decode import AMX_MAX_ROWS, KV_AHEAD_BYTES, FusedDecode, kv_ahead_bytes
 from kvmosaic.model.packed_linear import amx_gemms
 from tests.conftest import assert_greedy_within, make_llm, record_logits
 from tests.test_batch_composition import BF16_LOGIT_TOL
@@ -244,11 +244,12 @@ def test_the_kv_is_asked_for_ahead_only_where_the_weights_are_interleaved(interl
     assert kv_ahead_bytes() == (KV_AHEAD_BYTES if interleaved else 0)
 
 
-def test_on_the_tile_unit_a_row_alone_equals_the_row_in_two_tiles_of_rows_and_the_vector_steps_within_tolerance(
+def test_on_the_tile_unit_a_row_alone_equals_the_row_in_any_batch_and_the_vector_steps_within_tolerance(
         monkeypatch):
-    """The projections on AMX tiles (``decode_tiles.AMX``): each output from its own row, so a row's
-    hidden state is the same bits alone as in a batch of 18 (rows 16-17: the second tile of rows); other
-    sums than the vector step's, so its logits are within ``FUSED_LOGIT_TOL`` of them."""
+    """The projections and the head on AMX tiles (``decode_tiles.AMX``): each output from its own row, so a
+    row's hidden state and logits are the same bits alone as in a batch of 18 (rows 16-17: the second tile
+    of rows) or 36 (past 32: tiles of 32 rows, the last padded); other sums than the vector step's, so its
+    logits are within ``FUSED_LOGIT_TOL`` of them."""
     llm = _fused_llm("bfloat16", num_kv_blocks=256)
     if FusedDecode.for_model(llm.engine.model).layout != decode_tiles.AMX:
         pytest.skip("the step's projections are not on the tile unit here (no AMX, or not granted)")
@@ -266,14 +267,16 @@ def test_on_the_tile_unit_a_row_alone_equals_the_row_in_two_tiles_of_rows_and_th
             alone = AttentionMetadata(meta.slot_mapping[row : row + 1], decode=DecodeBatch(
                 torch.zeros(1, dtype=torch.long), d.ctx_slots[row : row + 1, :n], None, lens=d.lens[row : row + 1]))
             assert torch.equal(fused(x[row : row + 1], positions[row : row + 1], kv, alone)[0], batched[row])
+            assert torch.equal(fused.step(x[row : row + 1], positions[row : row + 1], kv, alone, None)[0], logits[row])
         checked.append(x.shape[0])
         return logits
 
     _around_fused_steps(llm.engine.model, monkeypatch, check)
-    prompts = _prompts(llm.tokenizer) * 6
-    llm.generate(prompts, [SamplingParams(max_tokens=3 + i % 4, temperature=0, ignore_eos=True)
-                           for i in range(len(prompts))])
-    assert max(checked) == 18 and min(checked) <= 16
+    for copies in (6, 12):
+        prompts = _prompts(llm.tokenizer) * copies
+        llm.generate(prompts, [SamplingParams(max_tokens=3 + i % 4, temperature=0, ignore_eos=True)
+                               for i in range(len(prompts))])
+    assert {18, 36} <= set(checked) and min(checked) <= 16
     assert max(gaps) <= FUSED_LOGIT_TOL["bfloat16"]
     llm.engine.pool.check_invariants()
 
@@ -399,8 +402,8 @@ def test_decode_batches_past_max_rows_take_the_layers(monkeypatch):
     tokens are the uncapped run's within the bfloat16 tolerance (the layers sum in another order)."""
     llm = _fused_llm("bfloat16", num_kv_blocks=128)
     fused = FusedDecode.for_model(llm.engine.model)
-    assert fused.max_rows == (TILE_STEP_MAX_ROWS if fused.layout == decode_tiles.AMX
-                              else AMX_MAX_ROWS if amx_gemms(torch.bfloat16) else None)
+    assert fused.max_rows == (AMX_MAX_ROWS if amx_gemms(torch.bfloat16) and fused.layout != decode_tiles.AMX
+                              else None)
     prompts = _prompts(llm.tokenizer)
     want = _greedy(llm, prompts, max_tokens=8)
     fused.max_rows = 3

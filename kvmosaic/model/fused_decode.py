@@ -13,10 +13,10 @@ exactly as the layer-by-layer path does, up to float32 summation order in the pr
   full rotary, plain (or oneDNN-packed) projections, or in float32 a GGUF's Q4_1 ones
   (``quantization="gguf"``: the same sums as the layer path's Q4_1 kernel, ``kernels/q4_1_avx2.h``);
   not int8 ones;
-* a step whose every token is a decode, with no shared-prefix (cascade) groups; in bfloat16 with the
-  projections on the tile unit (``decode_tiles.amx_blocks``), at most ``TILE_STEP_MAX_ROWS`` of them
-  (two tiles of rows); on a CPU with AMX otherwise (the vector step, ``KVMOSAIC_DECODE_LAYOUT=rows``),
-  at most ``AMX_MAX_ROWS`` (``packed_linear.amx_gemms``: oneDNN's tile GEMMs win past that).
+* a step whose every token is a decode, with no shared-prefix (cascade) groups; on a CPU with AMX
+  where the step's projections are not on the tile unit (``decode_tiles.amx_blocks``; the vector step,
+  ``KVMOSAIC_DECODE_LAYOUT=rows``), at most ``AMX_MAX_ROWS`` of them (``packed_linear.amx_gemms``:
+  oneDNN's tile GEMMs win past that).
 
 Anything else runs the layer-by-layer path. ``KVMOSAIC_FUSED_DECODE=0`` turns it off (as
 ``KVMOSAIC_KERNELS=0`` turns off every kernel). A row's result does not depend on the batch, within
@@ -41,7 +41,6 @@ log = logging.getLogger("kvmosaic")
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 AMX_MAX_ROWS = 8
-TILE_STEP_MAX_ROWS = 32  # the step's projections on the tile unit: two A tiles of 16 rows (decode_step.c)
 KV_AHEAD_BYTES = 4 << 20  # K/V a thread's QKV projection asks for a layer, ahead of attention, where it pays
 
 
@@ -123,9 +122,8 @@ class FusedDecode:
         # Where oneDNN's GEMMs run on AMX tiles the layers' path is faster than the vector step past a
         # few rows (a 700-token context's step: 25 against 29 ms at 6 rows, a tie at 8, 64 against 50 at
         # 16, 99-115 against 77-81 at 32; 2-core AMX Xeon): larger decode batches take it. The step on
-        # the tile unit serves two tiles of rows.
-        self.max_rows = (TILE_STEP_MAX_ROWS if self.layout == decode_tiles.AMX
-                         else AMX_MAX_ROWS if amx_gemms(dtype) else None)
+        # the tile unit serves any batch.
+        self.max_rows = AMX_MAX_ROWS if amx_gemms(dtype) and self.layout != decode_tiles.AMX else None
         # rows the head in the step serves (all the step does, but where oneDNN's head on AMX tiles is faster)
         self.head_max_rows = AMX_HEAD_MAX_ROWS if amx_gemms(dtype) and self.layout != decode_tiles.AMX else None
 

@@ -280,7 +280,7 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
  * 30 layers streamed at ~25 GB/s at 1 to 16 rows, against ~17 for oneDNN's packed GEMMs (BENCHMARKS.md,
  * issue 26, ninth session). */
 #define AMX_BLOCK 512
-#define AMX_MAX_BATCH 32
+#define AMX_MAX_BATCH 32 /* rows in two A tiles; past them, tiles of 32 rows (the step's buffers padded with zero rows) */
 /* B tiles asked for ahead (the distance mattered little from 4 to 32): into L1 for one tile of rows (at one
  * row, the step 11.7-12.1 against 12.3-12.7 ms into L2), into L2 for two, whose A tiles L1 must keep (at 32
  * rows, 10.5 against 12.8-13.4 ms for the projections alone). */
@@ -349,29 +349,32 @@ static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16
 }
 
 /* act [batch, inter] = silu(gate) * up as gate_up_silu computes it (gate and up rounded, silu and the
- * product too), gate and up from w [2 * inter, in] in B tiles. */
+ * product too), gate and up from w [2 * inter, in] in B tiles; groups as project_amx's. */
 static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const uint16_t *x, int64_t batch,
-                             uint16_t *act) {
+                             int64_t groups, uint16_t *act) {
     const int64_t nk = in / 32;
-    const int two = batch > 16;
+    const int two = groups > 1 || batch > 16;
     float gate[AMX_MAX_BATCH][16] __attribute__((aligned(64))), up[AMX_MAX_BATCH][16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
     for (int64_t cb = 0; cb < inter / 16; ++cb) {
         const uint16_t *g = w + cb * nk * AMX_BLOCK, *u = w + (inter / 16 + cb) * nk * AMX_BLOCK;
-        _tile_zero(0);
-        _tile_zero(1);
-        if (two) {
-            _tile_zero(2);
-            _tile_zero(3);
+        for (int64_t group = 0; group < groups; ++group) {
+            const int64_t r0 = group * AMX_MAX_BATCH, rows = batch - r0 < AMX_MAX_BATCH ? batch - r0 : AMX_MAX_BATCH;
+            _tile_zero(0);
+            _tile_zero(1);
+            if (two) {
+                _tile_zero(2);
+                _tile_zero(3);
+            }
+            AMX_DOTS(0, 2, g, x + r0 * in)
+            AMX_DOTS(1, 3, u, x + r0 * in)
+            AMX_STORE(0, 2, gate)
+            AMX_STORE(1, 3, up)
+            for (int64_t r = 0; r < rows; ++r)
+                for (int c = 0; c < 16; ++c)
+                    act[(r0 + r) * inter + cb * 16 + c] =
+                        float_to_bf16(round_bf16(silu(round_bf16(gate[r][c]))) * round_bf16(up[r][c]));
         }
-        AMX_DOTS(0, 2, g, x)
-        AMX_DOTS(1, 3, u, x)
-        AMX_STORE(0, 2, gate)
-        AMX_STORE(1, 3, up)
-        for (int64_t r = 0; r < batch; ++r)
-            for (int c = 0; c < 16; ++c)
-                act[r * inter + cb * 16 + c] =
-                    float_to_bf16(round_bf16(silu(round_bf16(gate[r][c]))) * round_bf16(up[r][c]));
     }
 }
 #endif
@@ -396,12 +399,6 @@ int decode_step_amx(void) {
 #endif
 }
 
-#if defined(KVMOSAIC_AMX)
-#define AMX_MAX_BATCH_ANY AMX_MAX_BATCH
-#else
-#define AMX_MAX_BATCH_ANY 0
-#endif
-
 /* Runs every layer over ``batch`` decode tokens and leaves the final hidden state (the last
  * sublayer's output plus the residual stream, before the final norm) in ``stream``.
  *
@@ -419,7 +416,7 @@ int decode_step_amx(void) {
  * rounded to the dtype and widened (what linear_rows and a widening give after the step); NULL:
  * the hidden state only.
  * layout: the dense weights' (LAYOUT_ROWS, LAYOUT_TILES: the same products either way; LAYOUT_AMX:
- * bfloat16 only, the tile unit's blocks, at most AMX_MAX_BATCH rows).
+ * bfloat16 only, the tile unit's blocks).
  * kv_ahead: bytes of each thread's K/V rows its QKV projection asks for a layer, ahead of attention (0: none).
  * bf16: 1 for bfloat16, 0 for float32.
  * Returns 0, -1 for shapes it does not serve, -2 without AVX-512 or AVX2 with FMA (AVX512-BF16 for
@@ -445,8 +442,7 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
                 if (bf16) return -1; /* Q4_1 blocks: float32 only */
             }
     if (layout == LAYOUT_AMX) {
-        if (!bf16 || batch > AMX_MAX_BATCH_ANY || qkv_width % 16 || hidden % 16 || inter % 16 || (head && vocab % 16))
-            return -1;
+        if (!bf16 || qkv_width % 16 || hidden % 16 || inter % 16 || (head && vocab % 16)) return -1;
         if (!decode_step_amx()) return -2;
     } else if (layout != LAYOUT_ROWS && layout != LAYOUT_TILES) {
         return -1;

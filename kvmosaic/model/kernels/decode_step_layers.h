@@ -49,20 +49,21 @@ static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled
     }
 }
 
-/* project_rows for a Weight: dense (in ``layout``), or (float32) Q4_1 blocks; xsum: this thread's
- * block-sum buffer; kv as project_rows' (dense weights only). */
-static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y,
-                          float *xsum, KvPrefetch *kv) {
+/* project_rows for a Weight: dense (in ``layout``), or (float32) Q4_1 blocks; groups: on the tile unit,
+ * the tiles of 32 rows x holds (project_amx; 1 otherwise); xsum: this thread's block-sum buffer; kv as
+ * project_rows' (dense weights only). */
+static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const ELEM *x, int64_t batch, int64_t groups,
+                          ELEM *y, float *xsum, KvPrefetch *kv) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (w.d != NULL) {
         project_q4_1(w, in, out, x, batch, y, xsum);
         return;
     }
 #endif
-    (void)xsum;
+    (void)xsum, (void)groups;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
     if (layout == LAYOUT_AMX) {
-        project_amx(w.w, in, out, x, batch, 1, y, NULL, kv);
+        project_amx(w.w, in, out, x, batch, groups, y, NULL, kv);
         return;
     }
 #endif
@@ -73,17 +74,17 @@ static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const E
  * the dtype first, silu (elementwise.h's, as the layer path's) and the product too (w [2 * inter,
  * in]: gate rows, then up rows; dense, in ``layout``, or Q4_1 blocks in float32). */
 static void NAME(gate_up_silu)(Weight weight, int layout, int64_t in, int64_t inter, const ELEM *x, int64_t batch,
-                               ELEM *act, float *xsum) {
+                               int64_t groups, ELEM *act, float *xsum) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (weight.d != NULL) {
         gate_up_silu_q4_1(weight, in, inter, x, batch, act, xsum);
         return;
     }
 #endif
-    (void)xsum;
+    (void)xsum, (void)groups;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
     if (layout == LAYOUT_AMX) {
-        gate_up_silu_amx(weight.w, in, inter, x, batch, act);
+        gate_up_silu_amx(weight.w, in, inter, x, batch, groups, act);
         return;
     }
 #endif
@@ -156,8 +157,17 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
     const int64_t q_width = heads * dim, kv_width = kv_heads * dim, qkv_width = q_width + 2 * kv_width;
     if (num_threads < 1) num_threads = 1;
     const int64_t widest = qkv_width > inter ? qkv_width : inter, rows = batch * hidden;
+    /* the rows the A tiles read: on the tile unit past two tiles of rows, whole tiles of 32 (zero rows
+     * after the batch's, computed and let go) */
+#if IS_BF16 && defined(KVMOSAIC_AMX)
+    const int64_t groups = layout == LAYOUT_AMX && batch > AMX_MAX_BATCH ? (batch + AMX_MAX_BATCH - 1) / AMX_MAX_BATCH : 1;
+    const int64_t padded = groups > 1 ? groups * AMX_MAX_BATCH : batch;
+#else
+    const int64_t groups = 1, padded = batch;
+#endif
+    const int64_t padded_rows = padded * hidden;
     /* shared: delta, the second residual buffer, wide, attn; per thread: its residual and normed rows */
-    const size_t bytes = (size_t)(2 * rows + batch * (widest + q_width) + 2 * num_threads * rows) * sizeof(ELEM);
+    const size_t bytes = (size_t)(2 * rows + padded * (widest + q_width) + 2 * num_threads * padded_rows) * sizeof(ELEM);
     int64_t *first = malloc((size_t)(batch + 1) * sizeof(int64_t));
     if (first == NULL) return -3;
     paged_decode_tasks(lens, batch, first);
@@ -172,8 +182,9 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         free(scratch), free(parts), free(first);
         return -3;
     }
-    ELEM *delta = scratch, *other = delta + rows, *wide = other + rows, *attn = wide + batch * widest;
-    ELEM *private_rows = attn + batch * q_width;
+    if (padded > batch) memset(scratch, 0, bytes);
+    ELEM *delta = scratch, *other = delta + rows, *wide = other + rows, *attn = wide + padded * widest;
+    ELEM *private_rows = attn + padded * q_width;
     const AttentionStep step = {first, lens, ctx_slots, slot_mapping, cos, signed_sin, batch, max_len, kv_heads, group, dim,
                                 q_width, kv_width, qkv_width, scale, parts, part_lse};
 #pragma omp parallel num_threads(num_threads)
@@ -181,7 +192,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         float q[MAX_GROUP * MAX_DIM], o[MAX_GROUP * MAX_DIM], lse[MAX_GROUP];
         ELEM q_rot[MAX_GROUP * MAX_DIM];
         const int me = omp_get_thread_num(), team = omp_get_num_threads();
-        ELEM *res = private_rows + (int64_t)me * 2 * rows, *h = res + rows;
+        ELEM *res = private_rows + (int64_t)me * 2 * padded_rows, *h = res + padded_rows;
         float *xsum = sums + me * sums_per_thread;
         /* The residual stream lives in two shared buffers, read from one and written to the other
          * at each update: every thread adds the sublayer's output to the whole stream in its own
@@ -204,7 +215,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         }
         const int64_t most = kv_ahead / (2 * kv_first.row_bytes), my_tiles = tiles_hi - tiles_lo;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
-        if (layout == LAYOUT_AMX) amx_configure_step(batch);
+        if (layout == LAYOUT_AMX) amx_configure_step(groups > 1 ? AMX_MAX_BATCH : batch);
 #endif
         keys = keys < most ? keys : most;
         kv_first.per_tile = my_tiles > 0 ? (keys + my_tiles - 1) / my_tiles : 0;
@@ -225,7 +236,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             }
             KvPrefetch kv = kv_first; /* this layer's pools, the same keys */
             kv.k_pool = (const char *)k_pool, kv.v_pool = (const char *)v_pool;
-            NAME(project)(w_qkv, layout, hidden, qkv_width, h, batch, wide, xsum, &kv);
+            NAME(project)(w_qkv, layout, hidden, qkv_width, h, batch, groups, wide, xsum, &kv);
             PHASE_MARK(0)
             for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q, &kv);
 #pragma omp barrier
@@ -240,14 +251,14 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                     for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
                 }
             }
-            NAME(project)(w_o, layout, q_width, hidden, attn, batch, delta, xsum, NULL);
+            NAME(project)(w_o, layout, q_width, hidden, attn, batch, groups, delta, xsum, NULL);
             PHASE_MARK(2)
             NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm2, h, batch, hidden, eps,
                          share_lo, share_hi);
             ++updates;
-            NAME(gate_up_silu)(w_gate_up, layout, hidden, inter, h, batch, wide, xsum);
+            NAME(gate_up_silu)(w_gate_up, layout, hidden, inter, h, batch, groups, wide, xsum);
             PHASE_MARK(3)
-            NAME(project)(w_down, layout, inter, hidden, wide, batch, delta, xsum, NULL);
+            NAME(project)(w_down, layout, inter, hidden, wide, batch, groups, delta, xsum, NULL);
             PHASE_MARK(4)
         }
         const ELEM *last = buffers[updates % 2];
@@ -262,7 +273,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                 rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
 #if IS_BF16 && defined(KVMOSAIC_AMX)
             if (layout == LAYOUT_AMX)
-                project_amx(head, hidden, vocab, h, batch, 1, NULL, logits, NULL);
+                project_amx(head, hidden, vocab, h, batch, groups, NULL, logits, NULL);
             else
 #endif
                 NAME(project_rows)(head, hidden, vocab, layout == LAYOUT_TILES, h, batch, NULL, logits, NULL);
