@@ -81,8 +81,8 @@ def interleave() -> bool:
 def amx_blocks() -> bool:
     """Whether the fused step's bfloat16 projections run on the tile unit in this process: where the
     library was built with AMX and the OS grants the tile state. The four projections of 30 layers
-    streamed at ~25 GB/s at 1 to 16 rows there, against ~17 for oneDNN's packed GEMMs and ~22-24 for the
-    vector step at one row (BENCHMARKS.md, issue 26, ninth session).
+    streamed at ~25 GB/s at 1 to 16 rows there, against ~17 for oneDNN's packed GEMMs; a one-row step
+    is as fast as the vector step's (BENCHMARKS.md, issue 26, ninth session).
     ``KVMOSAIC_DECODE_LAYOUT=tiles|rows`` turns it off."""
     if _chosen() in ("tiles", "rows"):
         return False
