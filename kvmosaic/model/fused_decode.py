@@ -7,7 +7,8 @@ kept a step at ~60% of the memory bandwidth was the operators' dispatch and a th
 each (docs/ARCHITECTURE.md, "The fused decode step"). The fused step serves only what it computes
 exactly as the layer-by-layer path does, up to float32 summation order in the projections:
 
-* bfloat16 weights and pool on a CPU with AVX512-BF16, or float32 on one with AVX-512 or AVX2 (the C
+* bfloat16 weights and pool on a CPU with AVX512-BF16 (the projections and the head on the tile unit
+  where it has AMX: ``decode_tiles.amx_blocks``), or float32 on one with AVX-512 or AVX2 (the C
   function says so at its first call);
 * plain Llama layers: no Q/K/V bias, no q/k norms, no sliding window or soft-capping, SiLU,
   full rotary, plain (or oneDNN-packed) projections, or in float32 a GGUF's Q4_1 ones

@@ -274,9 +274,9 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
 /* Decode projections on the tile unit (LAYOUT_AMX). A weight [out, in] is kept as B tiles: for each
  * block of 16 output channels, its in / 32 tiles in order, each 16 pairs of inputs x 16 channels x 2
  * (AMX_BLOCK elements, 1 KB: channel n's inputs 2p and 2p + 1 at (p * 16 + n) * 2), so that a thread's
- * share of the blocks is one sequential stream. The batch's rows (at most AMX_MAX_BATCH) are the A
- * tiles, 16 rows each; a tile product computes each output from its own row alone, in an order the
- * hardware fixes: a row's result does not depend on the batch. On an AMX Xeon the four projections of
+ * share of the blocks is one sequential stream. The batch's rows are the A tiles, 16 rows each (past
+ * AMX_MAX_BATCH rows, tiles of 32 rows over zero-padded buffers); a tile product computes each output
+ * from its own row alone, in an order the hardware fixes: a row's result does not depend on the batch. On an AMX Xeon the four projections of
  * 30 layers streamed at ~25 GB/s at 1 to 16 rows, against ~17 for oneDNN's packed GEMMs (BENCHMARKS.md,
  * issue 26, ninth session). */
 #define AMX_BLOCK 512
