@@ -182,20 +182,36 @@ class TiledLinear(nn.Module):
         return rows_product(self.tiles, x)
 
 
-def rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """``x @ w.T`` in ``weight``'s dtype, where ``weight`` is ``w`` ``[out, in]`` in ``head_layout()``:
-    the step's C product (``linear_rows``), every row of ``x`` on its own, as the step's head
-    computes them."""
+def _c_product(weight: torch.Tensor, x: torch.Tensor, name: str, middle: tuple = (), tail: tuple = ()) -> torch.Tensor:
+    """``x @ w.T`` in ``weight``'s dtype by the library's ``name`` (``linear_rows`` or ``linear_amx``),
+    ``weight`` being ``w`` ``[out, in]`` in that product's layout: its arguments are the weight and its
+    shape, ``middle``, the input rows, the output, ``tail`` and the thread count."""
     out_features, in_features = weight.shape
     lead = x.shape[:-1]
     rows = x.reshape(-1, in_features).to(weight.dtype).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=weight.dtype)
-    rc = kernels.decode_step_library().linear_rows(
-        weight.data_ptr(), in_features, out_features, int(head_layout() == TILES), rows.data_ptr(), rows.shape[0],
-        out.data_ptr(), int(weight.dtype == torch.bfloat16), torch.get_num_threads())
+    rc = getattr(kernels.decode_step_library(), name)(weight.data_ptr(), in_features, out_features, *middle,
+                                                      rows.data_ptr(), rows.shape[0], out.data_ptr(), *tail,
+                                                      torch.get_num_threads())
     if rc != 0:
-        raise RuntimeError(f"linear_rows failed (code {rc})")
+        raise RuntimeError(f"{name} failed (code {rc})")
     return out.view(*lead, out_features)
+
+
+def rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in ``weight``'s dtype, where ``weight`` is ``w`` ``[out, in]`` in ``head_layout()``:
+    the step's C product (``linear_rows``), every row of ``x`` on its own, as the step's head
+    computes them."""
+    return _c_product(weight, x, "linear_rows", (int(head_layout() == TILES),), (int(weight.dtype == torch.bfloat16),))
+
+
+def _agrees(layer: nn.Module, weight: torch.Tensor) -> bool:
+    """Whether ``layer`` gives what ``F.linear`` gives on a few rows, up to float32 summation order (one
+    step of rounding in bfloat16)."""
+    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
+    got, want = layer(x).float(), nn.functional.linear(x, weight).float()
+    rounding = 1e-5 if weight.dtype == torch.float32 else 2**-7
+    return bool((got - want).abs().max() <= rounding * want.abs().max())
 
 
 def try_tiled(weight: torch.Tensor) -> TiledLinear | None:
@@ -204,10 +220,7 @@ def try_tiled(weight: torch.Tensor) -> TiledLinear | None:
     if weight.device.type != "cpu" or not tileable(weight, head_layout()):
         return None
     layer = TiledLinear(weight)
-    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    got, want = layer(x).float(), nn.functional.linear(x, weight).float()
-    rounding = 1e-5 if weight.dtype == torch.float32 else 2**-7  # a bfloat16 result: one step of rounding
-    return layer if (got - want).abs().max() <= rounding * want.abs().max() else None
+    return layer if _agrees(layer, weight) else None
 
 
 class AmxLinear(nn.Module):
@@ -228,15 +241,7 @@ class AmxLinear(nn.Module):
         return from_amx(self.blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lead = x.shape[:-1]
-        rows = x.reshape(-1, self.in_features).to(self.blocks.dtype).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=self.blocks.dtype)
-        rc = kernels.decode_step_library().linear_amx(self.blocks.data_ptr(), self.in_features, self.out_features,
-                                                      rows.data_ptr(), rows.shape[0], out.data_ptr(),
-                                                      torch.get_num_threads())
-        if rc != 0:
-            raise RuntimeError(f"linear_amx failed (code {rc})")
-        return out.view(*lead, self.out_features)
+        return _c_product(self.blocks, x, "linear_amx")
 
 
 def try_amx(weight: torch.Tensor) -> AmxLinear | None:
@@ -246,6 +251,4 @@ def try_amx(weight: torch.Tensor) -> AmxLinear | None:
             or not tileable(weight, AMX):
         return None
     layer = AmxLinear(weight)
-    x = torch.randn(3, weight.shape[1], generator=torch.Generator().manual_seed(0)).to(weight.dtype)
-    got, want = layer(x).float(), nn.functional.linear(x, weight).float()
-    return layer if (got - want).abs().max() <= 2**-7 * want.abs().max() else None
+    return layer if _agrees(layer, weight) else None

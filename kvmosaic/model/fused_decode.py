@@ -42,6 +42,7 @@ log = logging.getLogger("kvmosaic")
 
 PROJECTIONS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 AMX_MAX_ROWS = 8
+AMX_HEAD_MAX_ROWS = 4  # oneDNN's packed head after the step past this, where its GEMMs run on AMX tiles
 KV_AHEAD_BYTES = 4 << 20  # K/V a thread's QKV projection asks for a layer, ahead of attention, where it pays
 
 
@@ -51,7 +52,6 @@ def kv_ahead_bytes() -> int:
     more; BENCHMARKS.md, issue 26, ninth session), so only where the weights are interleaved decode
     tiles: the AMD CPUs' layout (``decode_tiles.interleave``)."""
     return KV_AHEAD_BYTES if decode_tiles.interleave() else 0
-AMX_HEAD_MAX_ROWS = 4  # oneDNN's packed head after the step past this, where its GEMMs run on AMX tiles
 
 
 def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
@@ -108,7 +108,7 @@ class FusedDecode:
         cfg = model.config
         self.model, self.dtype = model, dtype
         # the projections' layout (decode_tiles.ROWS, TILES or AMX): the process's (step_layout), in
-        # which the weights were converted; a head in the step is in decode_tiles.head_layout()
+        # which the weights were converted; a head in the step is in the same layout
         self.layout = decode_tiles.step_layout(dtype) if layout is None else layout
         self.kv_ahead = kv_ahead_bytes()
         # [layer][(w, d, m) of qkv, o, gate_up, down, norm1, norm2]: the C step's pointers, kept alive
@@ -122,11 +122,11 @@ class FusedDecode:
         self._pointers: tuple[tuple[int, ...], ctypes.Array] | None = None  # (pool addresses, layer pointers)
         # Where oneDNN's GEMMs run on AMX tiles the layers' path is faster than the vector step past a
         # few rows (a 700-token context's step: 25 against 29 ms at 6 rows, a tie at 8, 64 against 50 at
-        # 16, 99-115 against 77-81 at 32; 2-core AMX Xeon): larger decode batches take it. The step on
-        # the tile unit serves any batch.
-        self.max_rows = AMX_MAX_ROWS if amx_gemms(dtype) and self.layout != decode_tiles.AMX else None
-        # rows the head in the step serves (all the step does, but where oneDNN's head on AMX tiles is faster)
-        self.head_max_rows = AMX_HEAD_MAX_ROWS if amx_gemms(dtype) and self.layout != decode_tiles.AMX else None
+        # 16, 99-115 against 77-81 at 32; 2-core AMX Xeon): larger decode batches take it, and past a few
+        # rows oneDNN's head after the step. The step on the tile unit serves any batch, its head too.
+        vector_beside_amx = amx_gemms(dtype) and self.layout != decode_tiles.AMX
+        self.max_rows = AMX_MAX_ROWS if vector_beside_amx else None
+        self.head_max_rows = AMX_HEAD_MAX_ROWS if vector_beside_amx else None  # rows the head in the step serves
 
     @classmethod
     def for_model(cls, model: nn.Module) -> FusedDecode | None:

@@ -31,6 +31,9 @@ static inline void amx_configure(const uint8_t rows[8]) {
     memset(&config, 0, sizeof config);
     config.palette_id = 1;
     for (int t = 0; t < 8; ++t) config.colsb[t] = rows[t] ? 64 : 0, config.rows[t] = rows[t];
+    /* GCC does not count LDTILECFG as reading the whole struct: without this it dropped the stores of
+     * colsb and rows (only the palette was written) and the instruction faulted */
+    __asm__ __volatile__("" : : "r"(&config) : "memory");
     _tile_loadconfig(&config);
 }
 #endif

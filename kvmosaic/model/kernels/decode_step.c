@@ -286,9 +286,16 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
  * rows, 10.5 against 12.8-13.4 ms for the projections alone). */
 #define AMX_AHEAD 8
 
+/* The tiles of 32 rows a batch takes: one (of one or two A tiles) up to AMX_MAX_BATCH rows; past them whole
+ * tiles of 32 over rows padded with zeros (the caller's buffers). */
+static inline int64_t amx_groups(int64_t batch) {
+    return batch <= AMX_MAX_BATCH ? 1 : (batch + AMX_MAX_BATCH - 1) / AMX_MAX_BATCH;
+}
+
 /* Tiles: 0 and 1 the products of rows 0-15 (a projection's in 0; gate in 0, up in 1), 2 and 3 those of
  * rows 16-31, 4 and 5 the A tiles of rows 0-15 and 16-31, 6 the B tile. */
 static void amx_configure_step(int64_t batch) {
+    if (batch > AMX_MAX_BATCH) batch = AMX_MAX_BATCH;
     const uint8_t lo = batch < 16 ? (uint8_t)batch : 16, hi = batch > 16 ? (uint8_t)(batch - 16) : 0;
     const uint8_t rows[8] = {lo, lo, hi, hi, lo, hi, 16, 0};
     amx_configure(rows);
@@ -319,12 +326,12 @@ static void amx_configure_step(int64_t batch) {
 
 /* y [batch, out] = x [batch, in] @ w^T rounded to bfloat16 (with y NULL, the same values widened to float32
  * into yf: logits), w in B tiles; shared out among the team by blocks of 16 channels (ends with the team's
- * barrier); kv: K/V rows asked for as the blocks go, as project_rows asks per tile of CHANNELS. With
- * groups > 1, x holds groups * 32 rows (tiles configured for two full tiles of rows), each block's B tiles
- * read from memory once for them all, and only the first batch rows are written. */
-static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t batch, int64_t groups,
-                        uint16_t *y, float *yf, KvPrefetch *kv) {
-    const int64_t nk = in / 32;
+ * barrier); kv: K/V rows asked for as the blocks go, as project_rows asks per tile of CHANNELS. Past
+ * AMX_MAX_BATCH rows x holds amx_groups(batch) * 32 rows (tiles configured by amx_configure_step), each
+ * block's B tiles read from memory once for them all, and only the first batch rows are written. */
+static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t batch, uint16_t *y,
+                        float *yf, KvPrefetch *kv) {
+    const int64_t nk = in / 32, groups = amx_groups(batch);
     float sums[AMX_MAX_BATCH][16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
     for (int64_t cb = 0; cb < out / 16; ++cb) {
@@ -349,10 +356,10 @@ static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16
 }
 
 /* act [batch, inter] = silu(gate) * up as gate_up_silu computes it (gate and up rounded, silu and the
- * product too), gate and up from w [2 * inter, in] in B tiles; groups as project_amx's. */
+ * product too), gate and up from w [2 * inter, in] in B tiles; x's rows as project_amx's. */
 static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const uint16_t *x, int64_t batch,
-                             int64_t groups, uint16_t *act) {
-    const int64_t nk = in / 32;
+                             uint16_t *act) {
+    const int64_t nk = in / 32, groups = amx_groups(batch);
     const int two = groups > 1 || batch > 16;
     float gate[AMX_MAX_BATCH][16] __attribute__((aligned(64))), up[AMX_MAX_BATCH][16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
@@ -498,7 +505,7 @@ int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t ba
     if (in % 32 || out % 16 || batch < 0) return -1;
     if (!amx_permitted()) return -2;
     if (batch == 0) return 0;
-    const int64_t groups = batch <= AMX_MAX_BATCH ? 1 : (batch + AMX_MAX_BATCH - 1) / AMX_MAX_BATCH;
+    const int64_t groups = amx_groups(batch);
     const uint16_t *rows = x;
     uint16_t *padded = NULL;
     if (groups > 1) { /* whole tiles of rows: the last one padded with zero rows, computed and let go */
@@ -511,8 +518,8 @@ int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t ba
     }
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-        amx_configure_step(groups > 1 ? AMX_MAX_BATCH : batch);
-        project_amx(w, in, out, rows, batch, groups, y, NULL, NULL);
+        amx_configure_step(batch);
+        project_amx(w, in, out, rows, batch, y, NULL, NULL);
         _tile_release();
     }
     free(padded);

@@ -49,21 +49,20 @@ static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled
     }
 }
 
-/* project_rows for a Weight: dense (in ``layout``), or (float32) Q4_1 blocks; groups: on the tile unit,
- * the tiles of 32 rows x holds (project_amx; 1 otherwise); xsum: this thread's block-sum buffer; kv as
- * project_rows' (dense weights only). */
-static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const ELEM *x, int64_t batch, int64_t groups,
-                          ELEM *y, float *xsum, KvPrefetch *kv) {
+/* project_rows for a Weight: dense (in ``layout``; on the tile unit x's rows as project_amx takes them), or
+ * (float32) Q4_1 blocks; xsum: this thread's block-sum buffer; kv as project_rows' (dense weights only). */
+static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y,
+                          float *xsum, KvPrefetch *kv) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (w.d != NULL) {
         project_q4_1(w, in, out, x, batch, y, xsum);
         return;
     }
 #endif
-    (void)xsum, (void)groups;
+    (void)xsum;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
     if (layout == LAYOUT_AMX) {
-        project_amx(w.w, in, out, x, batch, groups, y, NULL, kv);
+        project_amx(w.w, in, out, x, batch, y, NULL, kv);
         return;
     }
 #endif
@@ -74,17 +73,17 @@ static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const E
  * the dtype first, silu (elementwise.h's, as the layer path's) and the product too (w [2 * inter,
  * in]: gate rows, then up rows; dense, in ``layout``, or Q4_1 blocks in float32). */
 static void NAME(gate_up_silu)(Weight weight, int layout, int64_t in, int64_t inter, const ELEM *x, int64_t batch,
-                               int64_t groups, ELEM *act, float *xsum) {
+                               ELEM *act, float *xsum) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (weight.d != NULL) {
         gate_up_silu_q4_1(weight, in, inter, x, batch, act, xsum);
         return;
     }
 #endif
-    (void)xsum, (void)groups;
+    (void)xsum;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
     if (layout == LAYOUT_AMX) {
-        gate_up_silu_amx(weight.w, in, inter, x, batch, groups, act);
+        gate_up_silu_amx(weight.w, in, inter, x, batch, act);
         return;
     }
 #endif
@@ -160,10 +159,9 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
     /* the rows the A tiles read: on the tile unit past two tiles of rows, whole tiles of 32 (zero rows
      * after the batch's, computed and let go) */
 #if IS_BF16 && defined(KVMOSAIC_AMX)
-    const int64_t groups = layout == LAYOUT_AMX && batch > AMX_MAX_BATCH ? (batch + AMX_MAX_BATCH - 1) / AMX_MAX_BATCH : 1;
-    const int64_t padded = groups > 1 ? groups * AMX_MAX_BATCH : batch;
+    const int64_t padded = layout == LAYOUT_AMX && batch > AMX_MAX_BATCH ? amx_groups(batch) * AMX_MAX_BATCH : batch;
 #else
-    const int64_t groups = 1, padded = batch;
+    const int64_t padded = batch;
 #endif
     const int64_t padded_rows = padded * hidden;
     /* shared: delta, the second residual buffer, wide, attn; per thread: its residual and normed rows */
@@ -215,7 +213,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
         }
         const int64_t most = kv_ahead / (2 * kv_first.row_bytes), my_tiles = tiles_hi - tiles_lo;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
-        if (layout == LAYOUT_AMX) amx_configure_step(groups > 1 ? AMX_MAX_BATCH : batch);
+        if (layout == LAYOUT_AMX) amx_configure_step(batch);
 #endif
         keys = keys < most ? keys : most;
         kv_first.per_tile = my_tiles > 0 ? (keys + my_tiles - 1) / my_tiles : 0;
@@ -236,7 +234,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             }
             KvPrefetch kv = kv_first; /* this layer's pools, the same keys */
             kv.k_pool = (const char *)k_pool, kv.v_pool = (const char *)v_pool;
-            NAME(project)(w_qkv, layout, hidden, qkv_width, h, batch, groups, wide, xsum, &kv);
+            NAME(project)(w_qkv, layout, hidden, qkv_width, h, batch, wide, xsum, &kv);
             PHASE_MARK(0)
             for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q, &kv);
 #pragma omp barrier
@@ -251,14 +249,14 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                     for (int64_t i = 0; i < group * dim; ++i) out[i] = FROM_F(o[i]);
                 }
             }
-            NAME(project)(w_o, layout, q_width, hidden, attn, batch, groups, delta, xsum, NULL);
+            NAME(project)(w_o, layout, q_width, hidden, attn, batch, delta, xsum, NULL);
             PHASE_MARK(2)
             NAME(add_and_norm)(delta, buffers[updates % 2], buffers[(updates + 1) % 2], res, norm2, h, batch, hidden, eps,
                          share_lo, share_hi);
             ++updates;
-            NAME(gate_up_silu)(w_gate_up, layout, hidden, inter, h, batch, groups, wide, xsum);
+            NAME(gate_up_silu)(w_gate_up, layout, hidden, inter, h, batch, wide, xsum);
             PHASE_MARK(3)
-            NAME(project)(w_down, layout, inter, hidden, wide, batch, groups, delta, xsum, NULL);
+            NAME(project)(w_down, layout, inter, hidden, wide, batch, delta, xsum, NULL);
             PHASE_MARK(4)
         }
         const ELEM *last = buffers[updates % 2];
@@ -273,7 +271,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                 rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
 #if IS_BF16 && defined(KVMOSAIC_AMX)
             if (layout == LAYOUT_AMX)
-                project_amx(head, hidden, vocab, h, batch, groups, NULL, logits, NULL);
+                project_amx(head, hidden, vocab, h, batch, NULL, logits, NULL);
             else
 #endif
                 NAME(project_rows)(head, hidden, vocab, layout == LAYOUT_TILES, h, batch, NULL, logits, NULL);
