@@ -176,17 +176,18 @@ def test_this_cpus_vendor_is_read():
 
 def test_the_tile_units_head_computes_each_row_alone_at_any_batch_and_as_f_linear_does():
     """``AmxLinear`` (the LM head where the step's projections are on the tile unit): a row's result is
-    the same bits alone, in one or two tiles of rows, and past 32 rows (tiles of 32, the last padded);
+    the same bits alone, in one or two tiles of rows, and past 32 rows (gemm_amx: blocks of 32 rows by 32
+    channels, the last rows and an odd block of 16 channels on their own, rows in blocks of 128);
     within one bfloat16 rounding of ``F.linear``."""
     if not decode_tiles.amx_blocks():
         pytest.skip("the step's projections are not on the tile unit here (no AMX, or not granted)")
-    w = _weight(torch.bfloat16, 256, 128)
+    w = _weight(torch.bfloat16, 272, 128)  # 17 blocks of 16 channels
     head = decode_tiles.try_amx(w)
     assert head is not None and torch.equal(head.weight, w)
-    x = torch.randn(70, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    x = torch.randn(170, 128, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     batch = head(x)
-    for rows in (1, 5, 16, 17, 32, 33, 64):
+    for rows in (1, 5, 16, 17, 32, 33, 50, 64, 100, 150):
         assert torch.equal(head(x[:rows]), batch[:rows]), f"{rows} rows"
-    assert torch.equal(head(x[69:70]), batch[69:70])
+    assert torch.equal(head(x[169:170]), batch[169:170])
     want = torch.nn.functional.linear(x, w).float()
     assert ((batch.float() - want).abs() <= 2**-7 * want.abs().max()).all()

@@ -384,6 +384,73 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
         }
     }
 }
+/* Prompt-sized products on the tile unit (linear_amx past AMX_MAX_BATCH rows): 32 rows x 32 channels at a time
+ * (C tiles 0-3, A tiles 4-5, B tiles 6-7: each tile loaded feeds two products), a thread's share of the channel
+ * pairs, the rows in blocks of AMX_GEMM_GROUPS x 32 that stay in L2 while the thread's pairs pass over them. Each
+ * C tile is zeroed and summed over the input in project_amx's order (kb = 0, 1, ...) from the same A and B tiles:
+ * a row's bits are project_amx's, at any number of rows. On a 2-core AMX Xeon ~2,600 GFLOP/s over this model's
+ * projections from 128 to 2,048 rows, against oneDNN's 1,800-2,200 up to 648 rows and ~3,000 at 2,048
+ * (BENCHMARKS.md, issue 26, tenth session). */
+#define AMX_GEMM_GROUPS 4
+
+/* sums [16][16] of tile C's rows [0, rows) rounded to bfloat16 into y (row stride out). */
+#define AMX_GEMM_STORE(C, y, rows)                                                                                         \
+    if ((rows) > 0) {                                                                                                  \
+        _tile_stored(C, sums, 64);                                                                                     \
+        for (int64_t r = 0; r < (rows) && r < 16; ++r)                                                                 \
+            _mm256_storeu_si256((__m256i *)((y) + r * out), _mm512_cvtepi32_epi16(float_to_bf16x16(_mm512_load_ps(sums[r])))); \
+    }
+
+/* y [rows of a, 32 or 16 channels] from 32 rows at a (row stride in; ``rows`` of them written) and the B tiles
+ * of one or two blocks of 16 channels (b1 NULL: one). */
+static void gemm_amx_tile(const uint16_t *a, int64_t in, const uint16_t *b0, const uint16_t *b1, uint16_t *y,
+                          int64_t out, int64_t rows) {
+    float sums[16][16] __attribute__((aligned(64)));
+    const int64_t nk = in / 32;
+    const int two = rows > 16; /* rows 16-31 computed too */
+    _tile_zero(0);
+    if (two) _tile_zero(2);
+    if (b1 != NULL) _tile_zero(1);
+    if (b1 != NULL && two) _tile_zero(3);
+    for (int64_t kb = 0; kb < nk; ++kb) {
+        _tile_loadd(4, a + kb * 32, in * 2);
+        _tile_loadd(6, b0 + kb * AMX_BLOCK, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+            _tile_loadd(5, a + 16 * in + kb * 32, in * 2);
+            _tile_dpbf16ps(2, 5, 6);
+        }
+        if (b1 != NULL) {
+            _tile_loadd(7, b1 + kb * AMX_BLOCK, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            if (two) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    AMX_GEMM_STORE(0, y, rows)
+    AMX_GEMM_STORE(2, y + 16 * out, rows - 16)
+    if (b1 != NULL) {
+        AMX_GEMM_STORE(1, y + 16, rows)
+        AMX_GEMM_STORE(3, y + 16 * out + 16, rows - 16)
+    }
+}
+
+/* y [batch, out] = x @ w^T (w in B tiles) for batch > AMX_MAX_BATCH, in the calling team: rows in groups of 32, the
+ * last one from ``tail`` (its rows copied there after zeros: 32 x in). */
+static void gemm_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, const uint16_t *tail, int64_t batch,
+                     uint16_t *y) {
+    const int64_t nk = in / 32, blocks = out / 16, groups = (batch + 31) / 32;
+    int64_t lo, hi;
+    static_share((blocks + 1) / 2, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    for (int64_t g0 = 0; g0 < groups; g0 += AMX_GEMM_GROUPS)
+        for (int64_t pair = lo; pair < hi; ++pair) {
+            const int64_t cb = 2 * pair;
+            const uint16_t *b0 = w + cb * nk * AMX_BLOCK, *b1 = cb + 1 < blocks ? b0 + nk * AMX_BLOCK : NULL;
+            for (int64_t g = g0; g < groups && g < g0 + AMX_GEMM_GROUPS; ++g) {
+                const int64_t r0 = 32 * g, rows = batch - r0 < 32 ? batch - r0 : 32;
+                gemm_amx_tile(rows < 32 ? tail : x + r0 * in, in, b0, b1, y + r0 * out + cb * 16, out, rows);
+            }
+        }
+}
 #endif
 
 #define ELEM uint16_t
@@ -497,32 +564,34 @@ int decode_tile_shape(int bf16, int64_t *shape) {
 }
 
 /* y [batch, out] = x [batch, in] @ w^T in bfloat16, w [out, in] in the tile unit's B tiles (LAYOUT_AMX), each row
- * on its own as in the fused step (its LM head: model/decode_tiles.py's AmxLinear); any batch (past
- * AMX_MAX_BATCH rows, in tiles of 32 rows, each block of the weight read once for them all). Returns 0, -1 for
+ * on its own as in the fused step (its LM head, and where the step is on the tile unit the layers' projections:
+ * model/decode_tiles.py's AmxLinear); any batch (past AMX_MAX_BATCH rows, gemm_amx's blocks). Returns 0, -1 for
  * shapes it does not serve, -2 without the tile unit, -3 out of memory. */
 int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t batch, void *y, int num_threads) {
 #if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
     if (in % 32 || out % 16 || batch < 0) return -1;
     if (!amx_permitted()) return -2;
     if (batch == 0) return 0;
-    const int64_t groups = amx_groups(batch);
-    const uint16_t *rows = x;
-    uint16_t *padded = NULL;
-    if (groups > 1) { /* whole tiles of rows: the last one padded with zero rows, computed and let go */
-        const size_t bytes = (size_t)(groups * AMX_MAX_BATCH * in) * sizeof(uint16_t);
-        padded = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        if (padded == NULL) return -3;
-        memcpy(padded, x, (size_t)(batch * in) * sizeof(uint16_t));
-        memset(padded + batch * in, 0, bytes - (size_t)(batch * in) * sizeof(uint16_t));
-        rows = padded;
+    uint16_t *tail = NULL;
+    if (batch > AMX_MAX_BATCH && batch % 32) { /* the last group of rows, after zeros, computed and let go */
+        tail = aligned_alloc(64, (size_t)(32 * in) * sizeof(uint16_t));
+        if (tail == NULL) return -3;
+        memset(tail, 0, (size_t)(32 * in) * sizeof(uint16_t));
+        memcpy(tail, (const uint16_t *)x + batch / 32 * 32 * in, (size_t)(batch % 32 * in) * sizeof(uint16_t));
     }
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
-        amx_configure_step(batch);
-        project_amx(w, in, out, rows, batch, y, NULL, NULL);
+        if (batch > AMX_MAX_BATCH) {
+            const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+            amx_configure(rows);
+            gemm_amx(w, in, out, x, tail, batch, y);
+        } else {
+            amx_configure_step(batch);
+            project_amx(w, in, out, x, batch, y, NULL, NULL);
+        }
         _tile_release();
     }
-    free(padded);
+    free(tail);
     return 0;
 #else
     (void)w, (void)in, (void)out, (void)x, (void)batch, (void)y, (void)num_threads;
