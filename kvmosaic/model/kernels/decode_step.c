@@ -345,11 +345,11 @@ static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16
             AMX_DOTS(0, 2, b, x + r0 * in)
             AMX_STORE(0, 2, sums)
             for (int64_t r = 0; r < rows; ++r) {
-                const __m512i v = float_to_bf16x16(_mm512_load_ps(sums[r]));
+                const __m512 f = _mm512_load_ps(sums[r]);
                 if (y != NULL)
-                    _mm256_storeu_si256((__m256i *)(y + (r0 + r) * out + cb * 16), _mm512_cvtepi32_epi16(v));
+                    store_bf16x16(y + (r0 + r) * out + cb * 16, f);
                 else
-                    _mm512_storeu_ps(yf + (r0 + r) * out + cb * 16, _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)));
+                    _mm512_storeu_ps(yf + (r0 + r) * out + cb * 16, round_bf16x16(f));
             }
         }
     }
@@ -393,12 +393,14 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
  * (BENCHMARKS.md, issue 26, tenth session). */
 #define AMX_GEMM_GROUPS 4
 
-/* sums [16][16] of tile C's rows [0, rows) rounded to bfloat16 into y (row stride out). */
+/* sums [16][16] of tile C's rows [0, rows) rounded to bfloat16 into y (row stride out), as project_amx rounds
+ * (VCVTNEPS2BF16: torch's rounding, subnormals flushed as oneDNN's GEMMs flush them; one instruction in place of
+ * the integer rounding, ~5-10% of the GEMM's time). */
 #define AMX_GEMM_STORE(C, y, rows)                                                                                         \
     if ((rows) > 0) {                                                                                                  \
         _tile_stored(C, sums, 64);                                                                                     \
         for (int64_t r = 0; r < (rows) && r < 16; ++r)                                                                 \
-            _mm256_storeu_si256((__m256i *)((y) + r * out), _mm512_cvtepi32_epi16(float_to_bf16x16(_mm512_load_ps(sums[r])))); \
+            store_bf16x16((y) + r * out, _mm512_load_ps(sums[r]));                                                     \
     }
 
 /* y [rows of a, 32 or 16 channels] from 32 rows at a (row stride in; ``rows`` of them written) and the B tiles
