@@ -388,9 +388,9 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
  * (C tiles 0-3, A tiles 4-5, B tiles 6-7: each tile loaded feeds two products), a thread's share of the channel
  * pairs, the rows in blocks of AMX_GEMM_GROUPS x 32 that stay in L2 while the thread's pairs pass over them. Each
  * C tile is zeroed and summed over the input in project_amx's order (kb = 0, 1, ...) from the same A and B tiles:
- * a row's bits are project_amx's, at any number of rows. On a 2-core AMX Xeon ~2,600 GFLOP/s over this model's
- * projections from 128 to 2,048 rows, against oneDNN's 1,800-2,200 up to 648 rows and ~3,000 at 2,048
- * (BENCHMARKS.md, issue 26, tenth session). */
+ * a row's bits are project_amx's, at any number of rows. On a 2-core AMX Xeon 1,900-2,600 GFLOP/s over this
+ * model's projections from 64 to 2,048 rows, against oneDNN's 1,550-2,200 up to 1,000 rows and ~3,000 at 2,048
+ * (BENCHMARKS.md, issue 26, tenth session): the layers' prefill stays oneDNN's, the LM head takes this. */
 #define AMX_GEMM_GROUPS 4
 
 /* sums [16][16] of tile C's rows [0, rows) rounded to bfloat16 into y (row stride out), as project_amx rounds
@@ -566,8 +566,8 @@ int decode_tile_shape(int bf16, int64_t *shape) {
 }
 
 /* y [batch, out] = x [batch, in] @ w^T in bfloat16, w [out, in] in the tile unit's B tiles (LAYOUT_AMX), each row
- * on its own as in the fused step (its LM head, and where the step is on the tile unit the layers' projections:
- * model/decode_tiles.py's AmxLinear); any batch (past AMX_MAX_BATCH rows, gemm_amx's blocks). Returns 0, -1 for
+ * on its own as in the fused step (its LM head: model/decode_tiles.py's AmxLinear); any batch (past AMX_MAX_BATCH
+ * rows, gemm_amx's blocks). Returns 0, -1 for
  * shapes it does not serve, -2 without the tile unit, -3 out of memory. */
 int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t batch, void *y, int num_threads) {
 #if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
