@@ -60,13 +60,14 @@ def test_as_accurate_as_torch_in_the_same_dtype(num_tokens, past, heads, kv_head
 @pytest.mark.parametrize("dim", [64, 128])
 def test_a_row_does_not_depend_on_what_came_from_the_cache(dim, dtype):
     """The same rows computed with all of the prompt in the step, with its first part cached
-    (only the rest as queries), and one at a time: the same bits."""
-    q, k, v, slots = _case(61, 0, 6, 2, dim, seed=1, dtype=dtype)
+    (only the rest as queries), and one at a time: the same bits. 161 tokens: several of the
+    kernels' key steps, tiles of rows that reach into a step by different amounts."""
+    q, k, v, slots = _case(161, 0, 6, 2, dim, seed=1, dtype=dtype)
     whole = prefill.prefill_attention(q, k, v, slots, 0.1)
-    for cached in (1, 16, 33, 60):
+    for cached in (1, 16, 33, 60, 97, 150):
         tail = prefill.prefill_attention(q[cached:], k, v, slots, 0.1)
         assert torch.equal(tail, whole[cached:]), f"{cached} cached tokens changed the rows after them"
-    for row in (0, 7, 31, 60):
+    for row in (0, 7, 31, 60, 64, 100, 160):
         one = prefill.prefill_attention(q[row : row + 1], k, v, slots[: row + 1], 0.1)
         assert torch.equal(one[0], whole[row])
 
@@ -77,17 +78,18 @@ def test_queries_at_any_positions_are_the_rows_of_the_whole_prefill(dim, dtype):
     """A blend recomputes scattered tokens (``positions``): each is the same bits as its row in
     the whole prompt's prefill (a row depends on its query, position and context only), and
     the kernel agrees with torch's masked attention the blend ran before."""
-    q, k, v, slots = _case(61, 0, 6, 2, dim, seed=2, dtype=dtype)
+    q, k, v, slots = _case(161, 0, 6, 2, dim, seed=2, dtype=dtype)
     whole = prefill.prefill_attention(q, k, v, slots, 0.1)
-    positions = torch.tensor([0, 3, 4, 17, 30, 31, 32, 45, 59, 60])
+    positions = torch.tensor([0, 3, 4, 17, 30, 31, 32, 45, 59, 60, 63, 64, 65, 100, 127, 128, 141, 150, 151, 152, 153,
+                              154, 155, 156, 157, 158, 159, 160, 2])
     picked = prefill.prefill_attention(q[positions], k, v, slots, 0.1, positions)
     assert torch.equal(picked, whole[positions])
-    mask = torch.arange(61)[None, :] <= positions[:, None]
+    mask = torch.arange(161)[None, :] <= positions[:, None]
     kk, vv = (x[slots].double().transpose(0, 1).repeat_interleave(3, 0) for x in (k, v))
     exact = F.scaled_dot_product_attention(q[positions].double().transpose(0, 1), kk, vv, attn_mask=mask,
                                            scale=0.1).transpose(0, 1)
     assert (picked.double() - exact).abs().max().item() < (3e-2 if dtype == torch.bfloat16 else 1e-5)
-    assert prefill.prefill_attention(q[:2], k, v, slots, 0.1, torch.tensor([5, 61])) is None  # past the context
+    assert prefill.prefill_attention(q[:2], k, v, slots, 0.1, torch.tensor([5, 161])) is None  # past the context
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

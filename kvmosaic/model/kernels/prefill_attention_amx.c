@@ -23,65 +23,128 @@
 #include "amx.h"
 #if defined(KVMOSAIC_AMX)
 
-#define AMX_ROWS 16 /* query rows per tile: a tile register's rows */
+#define AMX_ROWS 32  /* query rows per task: two tiles of 16 rows, sharing every K and V tile loaded */
+#define AMX_KEYS 64  /* keys per online-softmax step (up to: a task's last step stops at its reach, rounded up to 32) */
+#define AMX_DIM 128  /* the widest head */
 
 /* Every tile register 16 rows of 64 bytes: A as 16 rows x 32 bfloat16, B as 16 pair rows x 16 x 2, C as
- * 16 x 16 float32. Tiles 0-3: C (S in 0, 1; P.V's output in 0-3); 4: A (Q's chunk, then P); 5-7: B. */
+ * 16 x 16 float32. Tiles 0-3: C; 4, 5: A (the two row tiles' Q chunk, then their P chunk); 6, 7: B (K's or
+ * V's). */
 static void configure_tiles(void) {
     static const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
     amx_configure(rows);
 }
 
-/* P.V over one key block for four 16-dim column groups from g: tiles 0-3 from zero, stored to out (row stride
- * dim floats). P is in tile 4; V's groups are B tiles 16 dims wide, 2 * dim elements from one key pair to the next. */
-static inline void pv_groups(const uint16_t *v, int64_t g, int64_t dim, float *out) {
+/* Scores of the task's row tiles against 32 keys from k0 (packed K: [16 keys][D/2][2] per 16 keys) into
+ * scores (row stride AMX_KEYS floats): C tiles 0, 1 the first row tile's two halves of the keys, 2, 3 the
+ * second's (when two). */
+static inline void scores_32(const uint16_t *q, int two, const uint16_t *k0, int64_t dim, float *scores) {
+    const uint16_t *k1 = k0 + 16 * dim;
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t c = 0; c < dim / 32; ++c) { /* 32 of Q's dimensions: 16 pair rows of K's tiles */
+        _tile_loadd(6, k0 + c * 512, 64); _tile_loadd(7, k1 + c * 512, 64);
+        _tile_loadd(4, q + c * 32, dim * 2);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, q + 16 * dim + c * 32, dim * 2);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, scores, AMX_KEYS * 4); _tile_stored(1, scores + 16, AMX_KEYS * 4);
+    if (two) { _tile_stored(2, scores + 16 * AMX_KEYS, AMX_KEYS * 4); _tile_stored(3, scores + 16 * AMX_KEYS + 16, AMX_KEYS * 4); }
+}
+
+/* P.V of the task's row tiles over `chunks` 32-key chunks of one step for dims 16g to 16g + 31 (C tiles 0, 1 the
+ * first row tile's two 16-dim groups, 2, 3 the second's), summed over the chunks in the tiles, stored to out
+ * (row stride dim floats). probs: [AMX_ROWS][AMX_KEYS] bfloat16; v: packed V ([key pairs][D][2]) at the
+ * step's first key. */
+static inline void pv_pass(const uint16_t *probs, int two, int chunks, const uint16_t *v, int64_t dim, int64_t g,
+                           float *out) {
     const int64_t stride = dim * 4; /* bytes: one key pair's D pairs of bfloat16 */
     _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
-    _tile_loadd(5, v + (g + 0) * 32, stride); _tile_dpbf16ps(0, 4, 5);
-    _tile_loadd(6, v + (g + 1) * 32, stride); _tile_dpbf16ps(1, 4, 6);
-    _tile_loadd(7, v + (g + 2) * 32, stride); _tile_dpbf16ps(2, 4, 7);
-    _tile_loadd(5, v + (g + 3) * 32, stride); _tile_dpbf16ps(3, 4, 5);
-    _tile_stored(0, out + (g + 0) * 16, stride); _tile_stored(1, out + (g + 1) * 16, stride);
-    _tile_stored(2, out + (g + 2) * 16, stride); _tile_stored(3, out + (g + 3) * 16, stride);
+    for (int c = 0; c < chunks; ++c) {
+        const uint16_t *vc = v + c * 16 * 2 * dim;
+        _tile_loadd(6, vc + g * 32, stride); _tile_loadd(7, vc + (g + 1) * 32, stride);
+        _tile_loadd(4, probs + c * 32, AMX_KEYS * 2);
+        _tile_dpbf16ps(0, 4, 6); _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, probs + 16 * AMX_KEYS + c * 32, AMX_KEYS * 2);
+            _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out + g * 16, stride); _tile_stored(1, out + (g + 1) * 16, stride);
+    if (two) { _tile_stored(2, out + 16 * dim + g * 16, stride); _tile_stored(3, out + 16 * dim + (g + 1) * 16, stride); }
+}
+
+/* One online-softmax step of MAX_ROWS rows over `vectors` 16-key vectors of their scores from key j0 (row
+ * stride AMX_KEYS): the probabilities exp2(score * unit - max), exactly 0 past a row's last key, rounded to
+ * bfloat16 into probs; the running maxima and sums in *m, *l (row_figure's layout); corr[r] the factor row
+ * r's accumulator is scaled by. A row's maximum and sum run over its vectors in order, so vectors past its
+ * last key (zeros: a step cut short at the task's reach has none of them) change neither; a step wholly
+ * past the row leaves its figures as they were (factor exactly 1). softmax_rows' operations, on longer steps. */
+static inline void softmax_step(const float *scores, uint16_t *probs, int vectors, const int64_t *last, int64_t j0,
+                                __m512 unit, __m512 *m, __m512 *l, __m512 *corr) {
+    const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
+    __m512 top[MAX_ROWS], sum[MAX_ROWS];
+    int64_t seen = last[0];
+    for (int r = 1; r < MAX_ROWS; ++r) seen = last[r] < seen ? last[r] : seen;
+    const int whole = j0 + 16 * vectors <= seen + 1; /* every row sees every key of the step */
+    for (int r = 0; r < MAX_ROWS; ++r) {
+        const float *row = scores + r * AMX_KEYS;
+        top[r] = minus_inf;
+        for (int i = 0; i < vectors; ++i) {
+            const __m512 x = _mm512_load_ps(row + 16 * i);
+            top[r] = _mm512_max_ps(top[r], whole ? x : _mm512_mask_mov_ps(minus_inf, first_lanes(last[r] - j0 + 1 - 16 * i), x));
+        }
+    }
+    const __m512 m_new = _mm512_max_ps(*m, _mm512_mul_ps(reduce_rows_max(top), unit));
+    /* m - m_new <= 0; -inf - finite (a row's first step) is clamped: a factor of ~0 on an accumulator that is still 0 */
+    const __m512 factor = exp2_coarse(_mm512_max_ps(_mm512_sub_ps(*m, m_new), _mm512_set1_ps(-200.0f)));
+    for (int r = 0; r < MAX_ROWS; ++r) {
+        const float *row = scores + r * AMX_KEYS;
+        const __m512 mr = row_figure(m_new, r);
+        sum[r] = _mm512_setzero_ps();
+        for (int i = 0; i < vectors; i += 2) {
+            __m512 p[2];
+            for (int h = 0; h < 2; ++h) {
+                p[h] = exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(row + 16 * (i + h)), unit, mr));
+                if (!whole) p[h] = _mm512_maskz_mov_ps(first_lanes(last[r] - j0 + 1 - 16 * (i + h)), p[h]);
+                sum[r] = _mm512_add_ps(sum[r], p[h]);
+            }
+            _mm512_store_si512(probs + r * AMX_KEYS + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        }
+        corr[r] = row_figure(factor, r);
+    }
+    *l = _mm512_add_ps(_mm512_mul_ps(*l, factor), reduce_rows_add(sum));
+    *m = m_new;
 }
 
 /* AMX_ROWS query rows of one head (q rows packed at dim elements apart; row r sees keys 0..last[r], nr real
- * rows, the rest repeat the first) against the packed context. Writes bfloat16 rows of out. */
+ * rows, the rest repeat the first) against the packed context, in steps of AMX_KEYS keys from the context's
+ * first. Writes bfloat16 rows of out. */
 static void tile_amx(const uint16_t *q, const int64_t *last, int nr, const uint16_t *kt, const uint16_t *vt,
                      float scale, int64_t dim, uint16_t *const *out_rows) {
-    float scores[AMX_ROWS][BLOCK] __attribute__((aligned(64)));
-    uint16_t probs[AMX_ROWS][BLOCK] __attribute__((aligned(64)));
-    float block_out[AMX_ROWS * 128] __attribute__((aligned(64))), acc[AMX_ROWS * 128] __attribute__((aligned(64)));
-    __m512 m[2] = {_mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY)}, l[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-    const int halves = nr > MAX_ROWS ? 2 : 1, live = halves * MAX_ROWS;
+    float scores[AMX_ROWS * AMX_KEYS] __attribute__((aligned(64)));
+    uint16_t probs[AMX_ROWS * AMX_KEYS] __attribute__((aligned(64)));
+    float step_out[AMX_ROWS * AMX_DIM] __attribute__((aligned(64))), acc[AMX_ROWS * AMX_DIM] __attribute__((aligned(64)));
+    const int two = nr > 16, groups = two ? 4 : 2;
+    const __m512 unit = _mm512_set1_ps(scale * EXP_LOG2E);
+    __m512 m[4], l[4], corr[AMX_ROWS];
+    for (int g = 0; g < 4; ++g) m[g] = _mm512_set1_ps(-INFINITY), l[g] = _mm512_setzero_ps();
     int64_t reach = 0;
     for (int r = 0; r < nr; ++r) reach = last[r] + 1 > reach ? last[r] + 1 : reach;
-    memset(acc, 0, sizeof(float) * AMX_ROWS * dim); /* the rows' dim columns: all that is read */
-    memset(probs, 0, sizeof probs); /* a half with no real row keeps probability 0 */
-    for (int64_t j0 = 0; j0 < reach; j0 += BLOCK) {
-        const uint16_t *k0 = kt + j0 * dim, *k1 = k0 + 16 * dim;
-        _tile_zero(0); _tile_zero(1);
-        for (int64_t c = 0; c < dim / 32; ++c) { /* 32 of Q's dimensions: 16 pair rows of K's tiles */
-            _tile_loadd(4, q + c * 32, dim * 2);
-            _tile_loadd(5, k0 + c * 512, 64); _tile_loadd(6, k1 + c * 512, 64);
-            _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 4, 6);
-        }
-        _tile_stored(0, &scores[0][0], BLOCK * 4); _tile_stored(1, &scores[0][16], BLOCK * 4);
-        __m512 corr[AMX_ROWS];
-        for (int h = 0; h < halves; ++h) {
-            __m512 s[MAX_ROWS][2];
-            for (int r = 0; r < MAX_ROWS; ++r)
-                s[r][0] = _mm512_load_ps(scores[h * MAX_ROWS + r]), s[r][1] = _mm512_load_ps(scores[h * MAX_ROWS + r] + 16);
-            softmax_rows(s, MAX_ROWS, last + h * MAX_ROWS, j0, scale, 1, &m[h], &l[h], corr + h * MAX_ROWS);
-            for (int r = 0; r < MAX_ROWS; ++r)
-                _mm512_store_si512(probs[h * MAX_ROWS + r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));
-        }
-        _tile_loadd(4, &probs[0][0], BLOCK * 2);
-        for (int64_t g = 0; g < dim / 16; g += 4) pv_groups(vt + j0 * dim, g, dim, block_out);
-        for (int r = 0; r < live; ++r)
+    memset(acc, 0, sizeof(float) * AMX_ROWS * dim);
+    for (int64_t j0 = 0; j0 < reach; j0 += AMX_KEYS) {
+        const int chunks = reach - j0 >= AMX_KEYS ? AMX_KEYS / 32 : (int)((reach - j0 + 31) / 32);
+        for (int c = 0; c < chunks; ++c) scores_32(q, two, kt + (j0 + 32 * c) * dim, dim, scores + 32 * c);
+        for (int g = 0; g < groups; ++g)
+            softmax_step(scores + g * MAX_ROWS * AMX_KEYS, probs + g * MAX_ROWS * AMX_KEYS, 2 * chunks,
+                         last + g * MAX_ROWS, j0, unit, &m[g], &l[g], corr + g * MAX_ROWS);
+        for (int64_t g = 0; g < dim / 16; g += 2) pv_pass(probs, two, chunks, vt + j0 * dim, dim, g, step_out);
+        for (int r = 0; r < groups * MAX_ROWS; ++r)
             for (int64_t c = 0; c < dim; c += 16) {
                 float *a = acc + r * dim + c;
-                _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), corr[r], _mm512_load_ps(block_out + r * dim + c)));
+                _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), corr[r], _mm512_load_ps(step_out + r * dim + c)));
             }
     }
     for (int r = 0; r < nr; ++r) {
@@ -127,7 +190,7 @@ int prefill_attention_amx(const uint16_t *q, const uint16_t *k_pool, const uint1
         for (int64_t t = tiles - 1; t >= 0; --t) {
             for (int64_t h = 0; h < heads; ++h) {
                 const uint16_t *kt = packed + (h / group) * per_head, *vt = kt + ctx_pad * dim;
-                uint16_t q_tile[AMX_ROWS * 128] __attribute__((aligned(64)));
+                uint16_t q_tile[AMX_ROWS * AMX_DIM] __attribute__((aligned(64)));
                 uint16_t *out_rows[AMX_ROWS];
                 int64_t index[AMX_ROWS], last[AMX_ROWS];
                 const int nr = tile_rows(t, AMX_ROWS, num_tokens, positions, past, index, last);
