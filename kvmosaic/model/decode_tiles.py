@@ -198,6 +198,12 @@ def _c_product(weight: torch.Tensor, x: torch.Tensor, name: str, middle: tuple =
     return out.view(*lead, out_features)
 
 
+def amx_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``x @ w.T`` in bfloat16, where ``weight`` is ``w`` ``[out, in]`` as the tile unit's B tiles (``to_amx``):
+    the step's tile product (``linear_amx``), every row of ``x`` on its own."""
+    return _c_product(weight, x, "linear_amx")
+
+
 def rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` in ``weight``'s dtype, where ``weight`` is ``w`` ``[out, in]`` in ``head_layout()``:
     the step's C product (``linear_rows``), every row of ``x`` on its own, as the step's head
@@ -242,7 +248,7 @@ class AmxLinear(nn.Module):
         return from_amx(self.blocks)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _c_product(self.blocks, x, "linear_amx")
+        return amx_product(self.blocks, x)
 
 
 def try_amx(weight: torch.Tensor) -> AmxLinear | None:

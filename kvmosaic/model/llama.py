@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import kernels
+from . import kernels, prompt_gemms
 from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
 from .fused_decode import FusedDecode
@@ -278,6 +278,7 @@ class LlamaForCausalLM(nn.Module):
         decided at the first step, when the projections are final."""
         if self._fused is False:
             self._fused = FusedDecode.for_model(self)
+            prompt_gemms.choose(self)  # the step's layout is final now: the tile GEMM's weights
         return self._fused if self._fused is not None and self._fused.serves(kv, meta) else None
 
     @torch.inference_mode()
