@@ -16,9 +16,9 @@ from tests.test_batch_composition import BF16_LOGIT_TOL
 on_tiles = pytest.mark.skipif(not decode_tiles.amx_blocks(), reason="the step's projections are not on the tile unit here")
 
 
-def test_buckets_are_half_octaves_from_33_to_2048_rows():
-    assert EDGES[0] == 32 and EDGES[-1] == 2048 and list(EDGES) == sorted(set(EDGES))
-    assert [bucket(n) for n in (1, 32, 33, 45, 46, 2048, 2049)] == [None, None, 0, 0, 1, len(EDGES) - 2, None]
+def test_buckets_are_half_octaves_from_257_to_2048_rows():
+    assert EDGES[0] == 256 and EDGES[-1] == 2048 and list(EDGES) == sorted(set(EDGES))
+    assert [bucket(n) for n in (1, 256, 257, 362, 363, 2048, 2049)] == [None, None, 0, 0, 1, len(EDGES) - 2, None]
 
 
 def test_an_unknown_override_is_refused(monkeypatch):
@@ -59,7 +59,7 @@ def test_a_span_takes_the_product_its_bucket_chose():
         picks = p.tile_buckets or (False,) * (len(EDGES) - 1)
         assert picks == prompt_gemms._picks[(p.out_features, p.in_features, torch.get_num_threads())]
         x = torch.randn(EDGES[-1] + 7, p.in_features).bfloat16()
-        for rows in (16, 40, 100, 700, EDGES[-1] + 7):  # oneDNN's below and past the buckets
+        for rows in (40, 256, 300, 700, 1500, EDGES[-1] + 7):  # oneDNN's below and past the buckets
             b = bucket(rows)
             want = p.tile_product if b is not None and picks[b] else p.onednn_product
             assert torch.equal(p(x[:rows]), want(x[:rows])), (p.out_features, p.in_features, rows)
@@ -76,15 +76,16 @@ def test_the_override_takes_one_product_for_every_bucket(choose_with, mode):
 
 @on_tiles
 def test_greedy_outputs_with_either_product_agree(choose_with, tokenizer):
-    """A prompt of ~150 tokens (buckets on both sides of the choice) and 12 greedy tokens, every span on
-    oneDNN's product against every span on the tile GEMM's: the same tokens up to the bfloat16 tolerance
-    (the two sum in another order), and no block left behind."""
-    prompt = tokenizer.encode("The river carried stones past the old mill while the lamp burned. " * 12,
+    """A prompt of ~700 tokens (one span in a bucket) and 12 greedy tokens, the span on oneDNN's product
+    against the tile GEMM's: the same tokens up to the bfloat16 tolerance (the two sum in another order),
+    and no block left behind."""
+    prompt = tokenizer.encode("The river carried stones past the old mill while the lamp burned. " * 50,
                               add_special_tokens=False)
+    assert bucket(len(prompt)) is not None
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     runs = []
     for mode in ("onednn", "tiles"):
-        llm = make_llm(dtype="bfloat16", max_num_batched_tokens=64)
+        llm = make_llm(dtype="bfloat16")
         choose_with(llm, mode)
         logits = record_logits(llm)
         out = llm.generate([prompt], params)[0]

@@ -21,8 +21,8 @@ from torch import nn
 from . import decode_tiles
 
 # Row counts bucketed for the choice between oneDNN and the tile GEMM (model/prompt_gemms.py): bucket i
-# holds spans of (EDGES[i], EDGES[i + 1]] rows, half octaves from 33 to 2,048
-EDGES = tuple(round(32 * 2 ** (k / 2)) for k in range(13))
+# holds spans of (EDGES[i], EDGES[i + 1]] rows, half octaves from 257 to 2,048
+EDGES = tuple(round(256 * 2 ** (k / 2)) for k in range(7))
 
 
 def bucket(rows: int) -> int | None:
