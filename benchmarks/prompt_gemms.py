@@ -1,0 +1,66 @@
+"""oneDNN's GEMM against the tile unit's for a prompt span of each projection, by row count.
+
+Where the fused decode step's projections are on the tile unit (an AMX CPU in bfloat16), a span of
+prompt rows takes whichever of the two measured faster for its shape and row-count bucket
+(``model/prompt_gemms.py``, docs/ARCHITECTURE.md "On the tile unit"). This loads the model, times both
+products over every layer's projections (the weights streamed as a prefill streams them) at each
+``--rows``, best of ``--repeats``, and prints the milliseconds per projection kind over all layers, the
+ratio, and the process's choice for the row count's bucket.
+
+Run: ``python -m benchmarks.prompt_gemms`` from the repository root (``--rows``, ``--repeats``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from kvmosaic.bench.machine import describe
+from kvmosaic.engine.llm import LLM
+from kvmosaic.model import prompt_gemms
+from kvmosaic.model.packed_linear import PackedLinear, bucket
+
+KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _all_layers(modules: list[PackedLinear], product: str, x: torch.Tensor, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first: oneDNN's primitive for this row count
+        start = time.perf_counter()
+        for module in modules:
+            getattr(module, product)(x)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default="100,200,300,400,512,649,745,900,1024,1500,2048")
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    model = LLM(dtype="bfloat16", enable_prefix_caching=False).engine.runner.model
+    kinds = {kind: [getattr(layer, kind) for layer in model.layers] for kind in KINDS}
+    if not all(type(m) is PackedLinear and prompt_gemms._on_tiles(m) for ms in kinds.values() for m in ms):
+        raise SystemExit("the fused step's projections are not on the tile unit here: oneDNN's product serves every span")
+    print(describe(), flush=True)
+    print(f"{len(model.layers)} layers, {torch.get_num_threads()} threads; ms over all layers, oneDNN / tile GEMM "
+          "(ratio), * the process's choice")
+    print("| rows | " + " | ".join(KINDS) + " | all |")
+    print("|---|" + "---|" * (len(KINDS) + 1))
+    for rows in map(int, args.rows.split(",")):
+        cells, totals = [], [0.0, 0.0]
+        for kind, modules in kinds.items():
+            x = torch.randn(rows, modules[0].in_features).bfloat16()
+            onednn, tile = (_all_layers(modules, p, x, args.repeats) for p in ("onednn_product", "tile_product"))
+            b, picks = bucket(rows), modules[0].tile_buckets
+            chosen = b is not None and picks is not None and picks[b]
+            cells.append(f"{onednn * 1e3:.1f} / {tile * 1e3:.1f} ({tile / onednn:.2f}){' *' if chosen else ''}")
+            totals[0] += onednn
+            totals[1] += tile
+        print(f"| {rows} | " + " | ".join(cells) + f" | {totals[0] * 1e3:.1f} / {totals[1] * 1e3:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
