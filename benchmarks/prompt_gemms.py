@@ -5,7 +5,7 @@ prompt rows takes whichever of the two measured faster for its shape and row-cou
 (``model/prompt_gemms.py``, docs/ARCHITECTURE.md "On the tile unit"). This loads the model, times both
 products over every layer's projections (the weights streamed as a prefill streams them) at each
 ``--rows``, best of ``--repeats``, and prints the milliseconds per projection kind over all layers, the
-ratio, and the process's choice for the row count's bucket.
+ratio, and which of the two the engine takes for that span (``prompt_gemms.TILE_ROWS``, ``TILE_MAX_OUT``).
 
 Run: ``python -m benchmarks.prompt_gemms`` from the repository root (``--rows``, ``--repeats``).
 """
@@ -20,7 +20,7 @@ import torch
 from kvmosaic.bench.machine import describe
 from kvmosaic.engine.llm import LLM
 from kvmosaic.model import prompt_gemms
-from kvmosaic.model.packed_linear import PackedLinear, bucket
+from kvmosaic.model.packed_linear import PackedLinear
 
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -46,16 +46,16 @@ def main() -> None:
         raise SystemExit("the fused step's projections are not on the tile unit here: oneDNN's product serves every span")
     print(describe(), flush=True)
     print(f"{len(model.layers)} layers, {torch.get_num_threads()} threads; ms over all layers, oneDNN / tile GEMM "
-          "(ratio), * the process's choice")
+          "(ratio), * the tile GEMM's is the engine's")
     print("| rows | " + " | ".join(KINDS) + " | all |")
     print("|---|" + "---|" * (len(KINDS) + 1))
     for rows in map(int, args.rows.split(",")):
         cells, totals = [], [0.0, 0.0]
-        for kind, modules in kinds.items():
+        for modules in kinds.values():
             x = torch.randn(rows, modules[0].in_features).bfloat16()
             onednn, tile = (_all_layers(modules, p, x, args.repeats) for p in ("onednn_product", "tile_product"))
-            b, picks = bucket(rows), modules[0].tile_buckets
-            chosen = b is not None and picks is not None and picks[b]
+            span = modules[0].tile_rows
+            chosen = span is not None and span[0] <= rows <= span[1]
             cells.append(f"{onednn * 1e3:.1f} / {tile * 1e3:.1f} ({tile / onednn:.2f}){' *' if chosen else ''}")
             totals[0] += onednn
             totals[1] += tile

@@ -13,21 +13,10 @@ packed layer is float32 throughout but sums in another order than MKL, so it is 
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 from torch import nn
 
 from . import decode_tiles
-
-# Row counts bucketed for the choice between oneDNN and the tile GEMM (model/prompt_gemms.py): bucket i
-# holds spans of (EDGES[i], EDGES[i + 1]] rows, half octaves from 257 to 2,048
-EDGES = tuple(round(256 * 2 ** (k / 2)) for k in range(7))
-
-
-def bucket(rows: int) -> int | None:
-    """The bucket of a span of ``rows`` rows; None outside them (oneDNN's product then)."""
-    return bisect.bisect_left(EDGES, rows) - 1 if EDGES[0] < rows <= EDGES[-1] else None
 
 
 class PackedLinear(nn.Module):
@@ -36,8 +25,8 @@ class PackedLinear(nn.Module):
     Besides oneDNN's copy it keeps the weight itself for the fused decode step, in rows or, once
     :meth:`decode_weight` was called, in that step's layout instead (model/decode_tiles.py):
     one copy either way. ``forward`` reads oneDNN's, or where the step's layout is the tile unit's B tiles
-    and ``tile_buckets`` says so for the span's row count (``bucket``), those by the tile GEMM
-    (model/prompt_gemms.py chooses)."""
+    and the span's row count is within ``tile_rows``, those by the tile GEMM (model/prompt_gemms.py
+    sets it)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
@@ -45,7 +34,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("kept", weight.detach(), persistent=False)  # rows, or the step's layout once _in_step_layout
         self._in_step_layout = False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-        self.tile_buckets: tuple[bool, ...] | None = None  # per bucket, True: the tile GEMM's product
+        self.tile_rows: tuple[int, int] | None = None  # spans of (first, last) rows take the tile GEMM
 
     @property
     def weight(self) -> torch.Tensor:
@@ -61,10 +50,8 @@ class PackedLinear(nn.Module):
         return self.kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tile_buckets is not None:
-            b = bucket(x.shape[0])
-            if b is not None and self.tile_buckets[b]:
-                return self.tile_product(x)
+        if self.tile_rows is not None and self.tile_rows[0] <= x.shape[0] <= self.tile_rows[1]:
+            return self.tile_product(x)
         return self.onednn_product(x)
 
     def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
