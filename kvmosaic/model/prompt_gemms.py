@@ -10,7 +10,7 @@ with the rows; over its wide gate/up projection oneDNN's is the faster at every 
 rows its narrow ones catch up (``python -m benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26,
 eleventh session). So a span of ``TILE_ROWS`` rows of a projection with at most ``TILE_MAX_OUT``
 outputs takes the tile GEMM: from 257 to 1,024 rows the shipped model's QKV, output and down
-projections 2-30 ms faster over 30 layers in all (a 648-token prefill ~130 against ~155 ms).
+projections together 4-30 ms faster over 30 layers (a 648-token prefill ~130 against ~155 ms).
 
 The rule is fixed, not measured per process: a span's row count alone decides its product, so a prompt
 gives the same bits in every process on the same CPU (a measured choice followed the measurement's noise

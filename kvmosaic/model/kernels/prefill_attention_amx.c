@@ -3,16 +3,18 @@
  * Xeon the vector kernel ran at a fifth of the bfloat16 GEMM rate; the tiles do a 16 x 16 x 32 product in one
  * instruction (docs/ARCHITECTURE.md, "Prefill attention").
  *
- * A tile of 16 query rows of one head walks the context in BLOCK-key blocks: S = Q.K^T into two 16 x 16
- * float32 tiles (Q as the A tile, K's packed [16 keys][D/2][2] rows as B tiles), the online softmax on the
- * vectors (softmax_rows, rows 0-7 and 8-15 apart: the same operations as the vector kernel), P rounded to
- * bfloat16 as the A tile, P.V into float32 tiles from zero (V's packed [key pairs][D][2] as B tiles), and the
- * row's accumulator scaled and added to in one fused multiply-add.
+ * A task of 32 query rows of one head (two tiles of 16 rows, sharing every K and V tile loaded) walks the
+ * context in steps of AMX_KEYS keys: S = Q.K^T 32 keys at a time into four 16 x 16 float32 tiles (Q as the A
+ * tiles, K's packed [16 keys][D/2][2] rows as B tiles), the online softmax on the vectors (softmax_step: the
+ * operations of softmax_rows, 8 rows at a time, over the step's vectors), P rounded to bfloat16 as the A
+ * tiles, P.V summed over the step in float32 C tiles from zero (V's packed [key pairs][D][2] as B tiles),
+ * and each row's accumulator scaled and added to once a step in one fused multiply-add.
  *
  * Invariants, as the vector kernel's: a row's result depends only on its query, its position and the context
  * up to it. A tile product computes each output element from its own row of A alone, in an order fixed by the
- * hardware; blocks start at the context's first key; keys past a row's position get probability exactly 0
- * and a block wholly past it leaves the row's figures as they were. The kernel is chosen once per process
+ * hardware; steps start at the context's first key, every AMX_KEYS keys; keys past a row's position get
+ * probability exactly 0 and a step wholly past it leaves the row's figures as they were, so where a task's
+ * last step is cut (its rows' reach) does not change a row. The kernel is chosen once per process
  * (AMX present and permitted by the OS), so every prefill row of a process goes through the same one
  * (tests/test_prefill_attention.py). Its bits differ from the vector kernel's (another summation order). */
 #include <omp.h>
