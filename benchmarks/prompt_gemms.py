@@ -42,7 +42,7 @@ def main() -> None:
     args = ap.parse_args()
     model = LLM(dtype="bfloat16", enable_prefix_caching=False).engine.runner.model
     kinds = {kind: [getattr(layer, kind) for layer in model.layers] for kind in KINDS}
-    if not all(type(m) is PackedLinear and prompt_gemms._on_tiles(m) for ms in kinds.values() for m in ms):
+    if not all(type(m) is PackedLinear and prompt_gemms.on_tiles(m) for ms in kinds.values() for m in ms):
         raise SystemExit("the fused step's projections are not on the tile unit here: oneDNN's product serves every span")
     print(describe(), flush=True)
     print(f"{len(model.layers)} layers, {torch.get_num_threads()} threads; ms over all layers, oneDNN / tile GEMM "

@@ -41,7 +41,7 @@ def choose(model: nn.Module) -> int:
         raise ValueError(f"{ENV}={mode!r}: expected 'onednn' or 'tiles'")
     count = 0
     for module in model.modules():
-        if type(module) is not PackedLinear or not _on_tiles(module):
+        if type(module) is not PackedLinear or not on_tiles(module):
             continue
         if mode:
             module.tile_rows = ALL_ROWS if mode == "tiles" else None
@@ -51,5 +51,7 @@ def choose(model: nn.Module) -> int:
     return count
 
 
-def _on_tiles(module: PackedLinear) -> bool:
+def on_tiles(module: PackedLinear) -> bool:
+    """Whether ``module``'s kept weight is the tile unit's B tiles (the fused step's layout there), which
+    ``tile_product`` reads."""
     return module._in_step_layout and decode_tiles.step_layout(module.kept.dtype) == decode_tiles.AMX
