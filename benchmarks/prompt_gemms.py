@@ -1,11 +1,13 @@
 """oneDNN's GEMM against the tile unit's for a prompt span of each projection, by row count.
 
 Where the fused decode step's projections are on the tile unit (an AMX CPU in bfloat16), a span of
-prompt rows takes whichever of the two measured faster for its shape and row-count bucket
+prompt rows takes one of the two by a fixed rule on its row count and the projection's width
 (``model/prompt_gemms.py``, docs/ARCHITECTURE.md "On the tile unit"). This loads the model, times both
 products over every layer's projections (the weights streamed as a prefill streams them) at each
 ``--rows``, best of ``--repeats``, and prints the milliseconds per projection kind over all layers, the
-ratio, and which of the two the engine takes for that span (``prompt_gemms.TILE_ROWS``, ``TILE_MAX_OUT``).
+ratio, what oneDNN's first pass at that row count took more (building its kernel for the count: a
+server meets new counts all the time), and which of the two the engine takes for that span
+(``prompt_gemms.TILE_ROWS``, ``WIDE_TILE_ROWS``, ``TILE_MAX_OUT``).
 
 Run: ``python -m benchmarks.prompt_gemms`` from the repository root (``--rows``, ``--repeats``).
 """
@@ -25,14 +27,17 @@ from kvmosaic.model.packed_linear import PackedLinear
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
 
-def _all_layers(modules: list[PackedLinear], product: str, x: torch.Tensor, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first: oneDNN's primitive for this row count
+def _all_layers(modules: list[PackedLinear], product: str, x: torch.Tensor, repeats: int) -> tuple[float, float]:
+    """(best of ``repeats`` passes over the layers, what the first pass took more: oneDNN's kernel for a
+    row count it had not met)."""
+    times = []
+    for _ in range(repeats + 1):
         start = time.perf_counter()
         for module in modules:
             getattr(module, product)(x)
-        best = min(best, time.perf_counter() - start)
-    return best
+        times.append(time.perf_counter() - start)
+    best = min(times[1:])
+    return best, times[0] - best
 
 
 def main() -> None:
@@ -46,17 +51,19 @@ def main() -> None:
         raise SystemExit("the fused step's projections are not on the tile unit here: oneDNN's product serves every span")
     print(describe(), flush=True)
     print(f"{len(model.layers)} layers, {torch.get_num_threads()} threads; ms over all layers, oneDNN / tile GEMM "
-          "(ratio), * the tile GEMM's is the engine's")
+          "(ratio) [oneDNN's first pass at the count: ms more], * the tile GEMM's is the engine's")
     print("| rows | " + " | ".join(KINDS) + " | all |")
     print("|---|" + "---|" * (len(KINDS) + 1))
     for rows in map(int, args.rows.split(",")):
         cells, totals = [], [0.0, 0.0]
         for modules in kinds.values():
             x = torch.randn(rows, modules[0].in_features).bfloat16()
-            onednn, tile = (_all_layers(modules, p, x, args.repeats) for p in ("onednn_product", "tile_product"))
+            (onednn, first), (tile, _) = (_all_layers(modules, p, x, args.repeats)
+                                          for p in ("onednn_product", "tile_product"))
             span = modules[0].tile_rows
             chosen = span is not None and span[0] <= rows <= span[1]
-            cells.append(f"{onednn * 1e3:.1f} / {tile * 1e3:.1f} ({tile / onednn:.2f}){' *' if chosen else ''}")
+            cells.append(f"{onednn * 1e3:.1f} / {tile * 1e3:.1f} ({tile / onednn:.2f}) [+{first * 1e3:.1f}]"
+                         f"{' *' if chosen else ''}")
             totals[0] += onednn
             totals[1] += tile
         print(f"| {rows} | " + " | ".join(cells) + f" | {totals[0] * 1e3:.1f} / {totals[1] * 1e3:.1f} |", flush=True)

@@ -138,7 +138,9 @@ def test_silu_mul_rounds_as_torch(dtype, rows):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_model_logits_with_and_without_the_kernels(dtype, monkeypatch):
     """The shipped model's logits over a prefill and a batched decode, kernels on against the
-    torch operators; float32 within summation order, bfloat16 within its rounding."""
+    torch operators; float32 within summation order, bfloat16 within its rounding: the prefill's as
+    close to the float32 model's as the operators' (bfloat16's own error there reaches a cosine of
+    ~0.96 for a row, where the two paths differ by at most ~2e-3 in a row)."""
     from kvmosaic.kv.paged import PagedKVCache
     from kvmosaic.model import load_model_bundle
     from kvmosaic.model.attention import AttentionMetadata, DecodeBatch, PrefillSpan
@@ -146,7 +148,7 @@ def test_model_logits_with_and_without_the_kernels(dtype, monkeypatch):
     bundle = load_model_bundle(None, "float32" if dtype == torch.float32 else "bfloat16", "cpu")
     ids = torch.randint(100, 40000, (40,), generator=torch.Generator().manual_seed(0))
 
-    def run():
+    def run(bundle=bundle, dtype=dtype):
         kv = PagedKVCache(bundle.config, 8, 16, dtype)
         slots = torch.arange(40)
         prefill = bundle.model(ids, torch.arange(40), kv, AttentionMetadata(slots, [PrefillSpan(0, 40, slots, None)]))
@@ -171,4 +173,10 @@ def test_model_logits_with_and_without_the_kernels(dtype, monkeypatch):
     for a, b in zip(on, off):
         assert (a - b).abs().max().item() < tol
         assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.95
-    assert F.cosine_similarity(on[0], off[0], dim=-1).min() > 0.999
+    if dtype == torch.float32:
+        assert F.cosine_similarity(on[0], off[0], dim=-1).min() > 0.999
+        return
+    exact = run(load_model_bundle(None, "float32", "cpu"), torch.float32)[0]
+    on_err, off_err = (1 - F.cosine_similarity(x.float(), exact, dim=-1) for x in (on[0], off[0]))
+    assert on_err.mean() <= off_err.mean() + 1e-4
+    assert F.cosine_similarity(on[0], off[0], dim=-1).min() > 0.995

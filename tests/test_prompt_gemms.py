@@ -1,6 +1,7 @@
 """The GEMM of a projection's prompt rows (model/prompt_gemms.py): oneDNN's packed product or, where the
 fused step's weights are on the tile unit, the tile GEMM for spans of ``TILE_ROWS`` rows of the narrow
-projections; fixed by the row count, and the engine's outputs the same tokens either way."""
+projections and ``WIDE_TILE_ROWS`` of the wide one; fixed by the row count, and the engine's outputs the same
+tokens either way."""
 
 from __future__ import annotations
 
@@ -45,18 +46,39 @@ def test_an_unknown_override_is_refused(monkeypatch):
 
 @on_tiles
 def test_a_span_takes_the_product_of_its_row_count():
-    """The narrow projections take the tile GEMM for spans of TILE_ROWS rows and oneDNN's below and past
-    them; the wide one (gate/up) oneDNN's always. The same bits as the product called directly."""
+    """The narrow projections take the tile GEMM for spans of TILE_ROWS rows, the wide one (gate/up) for
+    WIDE_TILE_ROWS, oneDNN's past them. The same bits as the product called directly."""
     projections = _projections(make_llm(dtype="bfloat16"))
-    first, last = prompt_gemms.TILE_ROWS
     for p in {(p.out_features, p.in_features): p for p in projections}.values():
         narrow = p.out_features <= prompt_gemms.TILE_MAX_OUT
-        assert p.tile_rows == (prompt_gemms.TILE_ROWS if narrow else None)
-        x = torch.randn(last + 7, p.in_features).bfloat16()
-        for rows in (40, first - 1, first, 700, last, last + 7):
-            want = p.tile_product if narrow and first <= rows <= last else p.onednn_product
+        first, last = prompt_gemms.TILE_ROWS if narrow else prompt_gemms.WIDE_TILE_ROWS
+        assert p.tile_rows == (first, last)
+        x = torch.randn(prompt_gemms.TILE_ROWS[1] + 7, p.in_features).bfloat16()
+        for rows in (1, 40, 256, 257, 700, 1024, 1031):
+            want = p.tile_product if first <= rows <= last else p.onednn_product
             assert torch.equal(p(x[:rows]), want(x[:rows])), (p.out_features, p.in_features, rows)
-    assert any(p.tile_rows is not None for p in projections)
+    assert len({p.tile_rows for p in projections}) == 2
+
+
+@on_tiles
+def test_prompts_of_up_to_256_rows_are_the_same_bits_from_the_cache_or_not(tokenizer):
+    """Every projection of a span of up to 256 rows is on the tile GEMM, which computes each row on its own
+    (as the row kernels and the prefill attention do): 24 new tokens behind 176 cached ones give the logits
+    a cold 200-token prefill gives, bit for bit, where oneDNN's GEMM changes a row with the row count (up
+    to 32 rows and past them it runs other kernels)."""
+    assert prompt_gemms.WIDE_TILE_ROWS[0] == prompt_gemms.TILE_ROWS[0] == 1
+    prompt = tokenizer.encode("A lamp burned by the mill; the river ran on past the stones. " * 30,
+                              add_special_tokens=False)[:200]
+    params = SamplingParams(temperature=0.0, max_tokens=1)
+    firsts = []
+    for caching in (True, False):
+        llm = make_llm(dtype="bfloat16", enable_prefix_caching=caching)
+        llm.generate([prompt[:176]], params)
+        logits = record_logits(llm)
+        out = llm.generate([prompt], params)[0]
+        assert out.num_cached_tokens == (176 if caching else 0)
+        firsts.append(logits[out.request_id][0])
+    assert torch.equal(firsts[0], firsts[1])
 
 
 @on_tiles

@@ -3,14 +3,20 @@
 Where the fused decode step's projections are on the tile unit (an AMX CPU in bfloat16:
 ``decode_tiles.amx_blocks``), every packed projection keeps two copies of its weight: oneDNN's packed
 one and the step's B tiles, so either can compute a span of prompt rows (``PackedLinear.onednn_product``,
-``tile_product``: decode_step.c's ``gemm_amx``). oneDNN's bfloat16 GEMM on this model's narrow
-projections runs at a speed that jumps with the exact row count (on a 2-core AMX Xeon the QKV projection
-of 30 layers: 10.4 ms at 650 rows, 16.1 at 649, 9.8 at 651, 16.4 at 745), while the tile GEMM's grows
-with the rows; over its wide gate/up projection oneDNN's is the faster at every count, and past ~1,000
-rows its narrow ones catch up (``python -m benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26,
-eleventh session). So a span of ``TILE_ROWS`` rows of a projection with at most ``TILE_MAX_OUT``
-outputs takes the tile GEMM: from 257 to 1,024 rows the shipped model's QKV, output and down
-projections together 4-30 ms faster over 30 layers (a 648-token prefill ~130 against ~155 ms).
+``tile_product``: decode_step.c's ``gemm_amx``). Two costs decide between them (``python -m
+benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh and twelfth sessions, a 2-core AMX Xeon):
+
+- oneDNN builds its kernel for each row count it meets: the first product at a new count costs 1.2-1.5 ms
+  more per projection kind at ~130 rows and 3-4.5 ms at 420-750 (the tile GEMM has no per-shape code), and
+  a server meets new counts all the time (prompt lengths, and the decode rows beside a prompt's, vary);
+- once built, oneDNN's speed jumps with the exact row count on the narrow projections (their QKV over 30
+  layers 10.4 ms at 650 rows, 16.1 at 649, 16.4 at 745; the tile GEMM 10.7 at 745), and leads the tile GEMM
+  by ~1.2x on the wide gate/up at every count past 32 rows and on the narrow ones past ~1,000.
+
+So spans of ``TILE_ROWS`` rows of the projections with at most ``TILE_MAX_OUT`` outputs (QKV, output, down)
+and of ``WIDE_TILE_ROWS`` of the wider ones (gate/up: up to where oneDNN's lead outgrows its first-call
+cost) take the tile GEMM, the rest oneDNN's. A prompt of up to 256 rows then computes every row on its own
+(the tile GEMM and the row kernels do): its rows are the same bits at any count.
 
 The rule is fixed, not measured per process: a span's row count alone decides its product, so a prompt
 gives the same bits in every process on the same CPU (a measured choice followed the measurement's noise
@@ -28,8 +34,9 @@ from . import decode_tiles
 from .packed_linear import PackedLinear
 
 ENV = "KVMOSAIC_PROMPT_GEMMS"
-TILE_ROWS = (257, 1024)  # spans of these row counts (inclusive) take the tile GEMM
+TILE_ROWS = (1, 1024)  # spans of these row counts (inclusive) take the tile GEMM ...
 TILE_MAX_OUT = 1024  # ... in projections with at most this many outputs
+WIDE_TILE_ROWS = (1, 256)  # ... and spans of these in the wider ones
 ALL_ROWS = (1, 1 << 62)
 
 
@@ -46,7 +53,7 @@ def choose(model: nn.Module) -> int:
         if mode:
             module.tile_rows = ALL_ROWS if mode == "tiles" else None
         else:
-            module.tile_rows = TILE_ROWS if module.out_features <= TILE_MAX_OUT else None
+            module.tile_rows = TILE_ROWS if module.out_features <= TILE_MAX_OUT else WIDE_TILE_ROWS
         count += module.tile_rows is not None
     return count
 
