@@ -10,7 +10,7 @@ import torch
 
 from kvmosaic import SamplingParams
 from kvmosaic.model import decode_tiles, prompt_gemms
-from kvmosaic.model.packed_linear import PackedLinear
+from kvmosaic.model.packed_linear import PAD_PAST, PackedLinear, padded_row_count
 from tests.conftest import assert_greedy_within, make_llm, record_logits
 from tests.test_batch_composition import BF16_LOGIT_TOL
 
@@ -58,6 +58,31 @@ def test_a_span_takes_the_product_of_its_row_count():
             want = p.tile_product if first <= rows <= last else p.onednn_product
             assert torch.equal(p(x[:rows]), want(x[:rows])), (p.out_features, p.in_features, rows)
     assert len({p.tile_rows for p in projections}) == 2
+
+
+def test_onednn_spans_past_256_rows_meet_a_few_dozen_counts():
+    """oneDNN builds its kernel per row count: spans past PAD_PAST rows are padded to at most ~6% more
+    rows, a few dozen counts up to a step's 8,192 tokens; shorter spans as they are."""
+    counts = [padded_row_count(rows) for rows in range(1, 8193)]
+    assert counts[:PAD_PAST] == list(range(1, PAD_PAST + 1))
+    assert all(rows <= c <= max(rows * 1.07, rows + 31) for rows, c in enumerate(counts, 1))
+    assert counts == sorted(counts) and len(set(counts[PAD_PAST:])) <= 100
+    assert all(padded_row_count(c) == c for c in counts)
+
+
+@on_tiles
+def test_a_padded_span_is_the_product_at_the_padded_count():
+    """With ``padded_rows`` a 745-row span is oneDNN's product over 768 rows, the zero rows' outputs
+    dropped: the same bits as that call, and within one bfloat16 rounding of the product at 745 rows."""
+    p = next(p for p in _projections(make_llm(dtype="bfloat16")) if p.out_features > prompt_gemms.TILE_MAX_OUT)
+    assert p.padded_rows
+    x = torch.randn(745, p.in_features).bfloat16()
+    got = p(x)
+    assert got.shape == (745, p.out_features)
+    padded = torch.cat((x, torch.zeros(768 - 745, p.in_features, dtype=x.dtype)))
+    assert torch.equal(got, torch.ops.mkldnn._linear_pointwise(padded, p.packed, None, "none", [], "")[:745])
+    exact = torch.ops.mkldnn._linear_pointwise(x, p.packed, None, "none", [], "").float()
+    assert ((got.float() - exact).abs() <= 2**-7 * exact.abs() + 1e-6).all()
 
 
 @on_tiles

@@ -35,6 +35,7 @@ class PackedLinear(nn.Module):
         self._in_step_layout = False
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.tile_rows: tuple[int, int] | None = None  # spans of (first, last) rows take the tile GEMM
+        self.padded_rows = False  # oneDNN's spans past PAD_PAST rows called at padded_row_count's counts
 
     @property
     def weight(self) -> torch.Tensor:
@@ -55,12 +56,31 @@ class PackedLinear(nn.Module):
         return self.onednn_product(x)
 
     def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        """oneDNN's ``x @ w.T``; with ``padded_rows``, over ``x`` and zero rows up to
+        :func:`padded_row_count` (whose outputs are dropped): oneDNN builds its kernel per row count."""
+        rows = x.shape[0]
+        padded = padded_row_count(rows) if self.padded_rows else rows
+        if padded != rows:
+            x = torch.cat((x, x.new_zeros(padded - rows, x.shape[1])))
+        y = torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        return y if padded == rows else y[:rows]
 
     def tile_product(self, x: torch.Tensor) -> torch.Tensor:
         """The tile GEMM's ``x @ w.T`` (``decode_tiles.AmxLinear``'s product), the weight in the step's
         layout on the tile unit (``decode_weight`` called there): each row on its own."""
         return decode_tiles.amx_product(self.kept, x)
+
+
+PAD_PAST = 256
+
+
+def padded_row_count(rows: int) -> int:
+    """``rows`` past ``PAD_PAST`` rounded up to a step of a sixteenth of its octave, at least 32 rows (768
+    for 745, 1,536 for 1,500): a few dozen counts up to the step's token budget, at most ~6% more rows."""
+    if rows <= PAD_PAST:
+        return rows
+    step = max(32, 1 << (rows.bit_length() - 5))
+    return -(-rows // step) * step
 
 
 F32_RTOL = 1e-5  # of the largest output: float32 summation-order noise is ~1e-6 of it

@@ -15,8 +15,11 @@ benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh and twelfth session
 
 So spans of ``TILE_ROWS`` rows of the projections with at most ``TILE_MAX_OUT`` outputs (QKV, output, down)
 and of ``WIDE_TILE_ROWS`` of the wider ones (gate/up: up to where oneDNN's lead outgrows its first-call
-cost) take the tile GEMM, the rest oneDNN's. A prompt of up to 256 rows then computes every row on its own
-(the tile GEMM and the row kernels do): its rows are the same bits at any count.
+cost) take the tile GEMM, the rest oneDNN's, called with zero rows added up to one of a few dozen counts
+(``PackedLinear.padded_rows``: a span of 745 rows as 768), so that a server builds oneDNN's kernel for a
+count once and meets it again (a 745-token prefill ~2%, a 1,500-token one ~4% faster for new lengths). A
+prompt of up to 256 rows computes every row on its own (the tile GEMM and the row kernels do): its rows are
+the same bits at any count.
 
 The rule is fixed, not measured per process: a span's row count alone decides its product, so a prompt
 gives the same bits in every process on the same CPU (a measured choice followed the measurement's noise
@@ -41,8 +44,8 @@ ALL_ROWS = (1, 1 << 62)
 
 
 def choose(model: nn.Module) -> int:
-    """Set ``tile_rows`` of every packed projection of ``model`` whose weight is in the step's tile layout;
-    returns how many take the tile GEMM for some spans."""
+    """Set ``tile_rows`` and ``padded_rows`` of every packed projection of ``model`` whose weight is in the
+    step's tile layout; returns how many take the tile GEMM for some spans."""
     mode = os.environ.get(ENV, "").strip().lower()
     if mode not in ("", "onednn", "tiles"):
         raise ValueError(f"{ENV}={mode!r}: expected 'onednn' or 'tiles'")
@@ -51,9 +54,10 @@ def choose(model: nn.Module) -> int:
         if type(module) is not PackedLinear or not on_tiles(module):
             continue
         if mode:
-            module.tile_rows = ALL_ROWS if mode == "tiles" else None
+            module.tile_rows, module.padded_rows = (ALL_ROWS if mode == "tiles" else None), False
         else:
             module.tile_rows = TILE_ROWS if module.out_features <= TILE_MAX_OUT else WIDE_TILE_ROWS
+            module.padded_rows = True
         count += module.tile_rows is not None
     return count
 
