@@ -10,7 +10,7 @@ import torch
 
 from kvmosaic import SamplingParams
 from kvmosaic.model import decode_tiles, prompt_gemms
-from kvmosaic.model.packed_linear import PAD_PAST, PackedLinear, padded_row_count
+from kvmosaic.model.packed_linear import PAD_PAST, PackedLinear, padded_row_count, rows_on_their_own
 from tests.conftest import assert_greedy_within, make_llm, record_logits
 from tests.test_batch_composition import BF16_LOGIT_TOL
 
@@ -58,6 +58,19 @@ def test_a_span_takes_the_product_of_its_row_count():
             want = p.tile_product if first <= rows <= last else p.onednn_product
             assert torch.equal(p(x[:rows]), want(x[:rows])), (p.out_features, p.in_features, rows)
     assert len({p.tile_rows for p in projections}) == 2
+
+
+@on_tiles
+def test_rows_on_their_own_take_the_tile_gemm_at_any_count():
+    """Within ``rows_on_their_own`` (``batch_invariant``'s steps) every span takes the tile GEMM: a row is
+    the same bits in a span of 1,500 rows as in one of 20, for every projection kind; outside it, past
+    the rule's spans, oneDNN's product again."""
+    for p in {(p.out_features, p.in_features): p for p in _projections(make_llm(dtype="bfloat16"))}.values():
+        x = torch.randn(1500, p.in_features).bfloat16()
+        with rows_on_their_own():
+            whole, first = p(x), p(x[:20])
+        assert torch.equal(whole, p.tile_product(x)) and torch.equal(whole[:20], first)
+        assert torch.equal(p(x), p.onednn_product(x))
 
 
 def test_onednn_spans_past_256_rows_meet_a_few_dozen_counts():

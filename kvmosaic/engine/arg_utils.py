@@ -153,10 +153,12 @@ class EngineArgs(CliArgs):
                                            "is faster: not with the CPU decode kernel, which reads it per row "
                                            "faster (--no-cascade-attention: never)")
     batch_invariant: bool = option(False, "a step that also computes prompt tokens runs its decode rows through "
-                                          "the fused decode step as a step of decodes alone does, so a stream's "
-                                          "logits do not depend on what else the batch holds (bit for bit where "
-                                          "the CPU's GEMMs are row-invariant: AVX-512 without AMX); such steps "
-                                          "read the weights twice (engine/model_runner.py)")
+                                          "the fused decode step as a step of decodes alone does, and on an AMX "
+                                          "CPU in bfloat16 every prompt span takes the tile GEMM (each row on its "
+                                          "own), so a stream's logits do not depend on what else the batch holds, "
+                                          "bit for bit where every row is then computed on its own (AVX-512 "
+                                          "CPUs, AMX ones too); such steps read the weights twice "
+                                          "(engine/model_runner.py)")
     max_model_len: int | None = option(None, "context length (default: the model's)", type=int)
     enable_prefix_caching: bool = option(True, "--no-enable-prefix-caching is --prefix-cache none")
     prefix_cache: str | None = option(None, "hash (vLLM's block hash chain), radix (SGLang's tree) or none "

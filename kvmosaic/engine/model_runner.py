@@ -11,6 +11,7 @@ from ..kv.paged import PagedKVCache
 from ..model import kernels
 from ..model.attention import AttentionMetadata, DecodeBatch, PrefillSpan, SharedPrefix
 from ..model.llama import LlamaForCausalLM
+from ..model.packed_linear import rows_on_their_own
 from ..model.window import GroupedMetadata
 from .prompt_logprobs import Scored, prompt_rows, score
 from .sampling_params import SamplingParams
@@ -171,17 +172,21 @@ class ModelRunner:
         """One forward pass over the step; with ``batch_invariant``, a step that mixes decodes and
         prompt tokens as two: the decodes take the path a step of decodes alone takes (the fused
         decode step where it serves), whose rows do not depend on the batch, instead of the
-        layers' GEMMs shared with the prompt rows, which sum in another order. The logits' rows
-        follow ``sampling`` either way."""
-        if self.batch_invariant:
-            decodes, prompts = [], []
-            for pair in batch:
-                (decodes if _is_decode(pair[0]) else prompts).append(pair)
-            if decodes and prompts:
-                first, second = self._forward(decodes), self._forward(prompts)
-                return StepResult(torch.cat((first.logits, second.logits)), first.sampling + second.sampling,
-                                  first.prompt_logprobs + second.prompt_logprobs)
-        return self._forward(batch)
+        layers' GEMMs shared with the prompt rows, which sum in another order; and the prompt rows
+        take the tile GEMM at any count where the step is on the tile unit (``rows_on_their_own``:
+        oneDNN's bfloat16 GEMM on AMX changes a row with the row count). The logits' rows follow
+        ``sampling`` either way."""
+        if not self.batch_invariant:
+            return self._forward(batch)
+        decodes, prompts = [], []
+        for pair in batch:
+            (decodes if _is_decode(pair[0]) else prompts).append(pair)
+        with rows_on_their_own():  # prompt rows on the tile GEMM where oneDNN's changes a row with the count
+            if not (decodes and prompts):
+                return self._forward(batch)
+            first, second = self._forward(decodes), self._forward(prompts)
+        return StepResult(torch.cat((first.logits, second.logits)), first.sampling + second.sampling,
+                          first.prompt_logprobs + second.prompt_logprobs)
 
     def _forward(self, batch: list[tuple[ScheduledSeq, list[int]]]) -> StepResult:
         ids, pos, meta, logits_index, sampling = self.prepare(batch)

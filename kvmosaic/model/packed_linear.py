@@ -13,6 +13,9 @@ packed layer is float32 throughout but sums in another order than MKL, so it is 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import torch
 from torch import nn
 
@@ -51,7 +54,7 @@ class PackedLinear(nn.Module):
         return self.kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tile_rows is not None and self.tile_rows[0] <= x.shape[0] <= self.tile_rows[1]:
+        if self.tile_rows is not None and (self.tile_rows[0] <= x.shape[0] <= self.tile_rows[1] or _ROWS_ON_THEIR_OWN.get()):
             return self.tile_product(x)
         return self.onednn_product(x)
 
@@ -69,6 +72,21 @@ class PackedLinear(nn.Module):
         """The tile GEMM's ``x @ w.T`` (``decode_tiles.AmxLinear``'s product), the weight in the step's
         layout on the tile unit (``decode_weight`` called there): each row on its own."""
         return decode_tiles.amx_product(self.kept, x)
+
+
+_ROWS_ON_THEIR_OWN = contextvars.ContextVar("rows_on_their_own", default=False)
+
+
+@contextlib.contextmanager
+def rows_on_their_own():
+    """Within it, every span of a projection that can take the tile GEMM (``tile_rows`` set) takes it,
+    whatever its row count: each row's result is then the same bits at any number of rows, where oneDNN's
+    changes with the count on an AMX CPU (``batch_invariant``'s prompt rows: engine/model_runner.py)."""
+    token = _ROWS_ON_THEIR_OWN.set(True)
+    try:
+        yield
+    finally:
+        _ROWS_ON_THEIR_OWN.reset(token)
 
 
 PAD_PAST = 256
