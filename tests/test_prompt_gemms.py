@@ -99,22 +99,23 @@ def test_a_padded_span_is_the_product_at_the_padded_count():
 
 
 @on_tiles
-def test_prompts_of_up_to_256_rows_are_the_same_bits_from_the_cache_or_not(tokenizer):
+@pytest.mark.parametrize(("length", "cached", "batch_invariant"), [(200, 176, False), (700, 592, True)])
+def test_a_prompt_is_the_same_bits_from_the_cache_or_not(tokenizer, length, cached, batch_invariant):
     """Every projection of a span of up to 256 rows is on the tile GEMM, which computes each row on its own
-    (as the row kernels and the prefill attention do): 24 new tokens behind 176 cached ones give the logits
-    a cold 200-token prefill gives, bit for bit, where oneDNN's GEMM changes a row with the row count (up
-    to 32 rows and past them it runs other kernels)."""
+    (as the row kernels and the prefill attention do), and so is every span with ``batch_invariant``:
+    the new tokens behind cached ones give the logits a cold prefill gives, bit for bit, where oneDNN's
+    GEMM changes a row with the row count (up to 32 rows and past them it runs other kernels)."""
     assert prompt_gemms.WIDE_TILE_ROWS[0] == prompt_gemms.TILE_ROWS[0] == 1
-    prompt = tokenizer.encode("A lamp burned by the mill; the river ran on past the stones. " * 30,
-                              add_special_tokens=False)[:200]
+    prompt = tokenizer.encode("A lamp burned by the mill; the river ran on past the stones. " * 100,
+                              add_special_tokens=False)[:length]
     params = SamplingParams(temperature=0.0, max_tokens=1)
     firsts = []
     for caching in (True, False):
-        llm = make_llm(dtype="bfloat16", enable_prefix_caching=caching)
-        llm.generate([prompt[:176]], params)
+        llm = make_llm(dtype="bfloat16", enable_prefix_caching=caching, batch_invariant=batch_invariant)
+        llm.generate([prompt[:cached]], params)
         logits = record_logits(llm)
         out = llm.generate([prompt], params)[0]
-        assert out.num_cached_tokens == (176 if caching else 0)
+        assert out.num_cached_tokens == (cached if caching else 0)
         firsts.append(logits[out.request_id][0])
     assert torch.equal(firsts[0], firsts[1])
 
