@@ -73,6 +73,26 @@ def test_rows_on_their_own_take_the_tile_gemm_at_any_count():
         assert torch.equal(p(x), p.onednn_product(x))
 
 
+@on_tiles
+def test_the_gate_up_silu_product_is_the_tile_gemm_then_silu_mul(monkeypatch):
+    """``silu_product``: SiLU·up in the tile GEMM's epilogue, the same bits as its product then the row kernel's
+    ``silu_mul`` at any row count; the layer's MLP takes it where the span is on the tile GEMM."""
+    from kvmosaic.model import kernels
+
+    llm = make_llm(dtype="bfloat16")
+    layer = llm.engine.runner.model.layers[1]
+    p = layer.gate_up_proj
+    for rows in (1, 17, 33, 100, 745):
+        x = torch.randn(rows, p.in_features).bfloat16()
+        with rows_on_their_own():
+            got = p.silu_product(x)
+        assert torch.equal(got, kernels.silu_mul(p.tile_product(x))), rows
+    x = torch.randn(40, p.in_features).bfloat16()
+    want = layer.mlp(x)
+    monkeypatch.setattr(kernels, "silu_mul", lambda _: pytest.fail("the MLP wrote gate/up and ran silu_mul"))
+    assert torch.equal(layer.mlp(x), want)
+
+
 def test_onednn_spans_past_256_rows_meet_a_few_dozen_counts():
     """oneDNN builds its kernel per row count: spans past PAD_PAST rows are padded to at most ~6% more
     rows, a few dozen counts up to a step's 8,192 tokens; shorter spans as they are."""

@@ -182,11 +182,14 @@ class TiledLinear(nn.Module):
         return rows_product(self.tiles, x)
 
 
-def _c_product(weight: torch.Tensor, x: torch.Tensor, name: str, middle: tuple = (), tail: tuple = ()) -> torch.Tensor:
-    """``x @ w.T`` in ``weight``'s dtype by the library's ``name`` (``linear_rows`` or ``linear_amx``),
-    ``weight`` being ``w`` ``[out, in]`` in that product's layout: its arguments are the weight and its
-    shape, ``middle``, the input rows, the output, ``tail`` and the thread count."""
-    out_features, in_features = weight.shape
+def _c_product(weight: torch.Tensor, x: torch.Tensor, name: str, middle: tuple = (), tail: tuple = (),
+               out_features: int | None = None) -> torch.Tensor:
+    """``x @ w.T`` in ``weight``'s dtype by the library's ``name`` (``linear_rows``, ``linear_amx``, or
+    ``linear_amx_silu`` with ``out_features`` half of w's), ``weight`` being ``w`` ``[out, in]`` in that
+    product's layout: its arguments are the weight, its input and output width, ``middle``, the input rows,
+    the output, ``tail`` and the thread count."""
+    in_features = weight.shape[1]
+    out_features = out_features or weight.shape[0]
     lead = x.shape[:-1]
     rows = x.reshape(-1, in_features).to(weight.dtype).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=weight.dtype)
@@ -202,6 +205,13 @@ def amx_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``x @ w.T`` in bfloat16, where ``weight`` is ``w`` ``[out, in]`` as the tile unit's B tiles (``to_amx``):
     the step's tile product (``linear_amx``), every row of ``x`` on its own."""
     return _c_product(weight, x, "linear_amx")
+
+
+def amx_silu_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` in bfloat16, gate and up the two halves of ``x @ w.T`` (gate first), ``weight`` being
+    ``w`` ``[2 * inter, in]`` as the tile unit's B tiles: ``linear_amx_silu``, each row on its own, the same bits
+    as :func:`amx_product` then ``kernels.silu_mul`` in one pass (no ``[rows, 2 * inter]`` product written)."""
+    return _c_product(weight, x, "linear_amx_silu", out_features=weight.shape[0] // 2)
 
 
 def rows_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

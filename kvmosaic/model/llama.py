@@ -25,6 +25,7 @@ from . import kernels, prompt_gemms
 from .attention import AttentionMetadata, PagedKV, paged_attention
 from .config import ModelConfig
 from .fused_decode import FusedDecode
+from .packed_linear import PackedLinear
 from .rotary import RopeAt, RotaryEmbedding
 from .softcap import softcap_paged_attention
 from .window import GroupedMetadata, layer_view
@@ -124,9 +125,14 @@ class DecoderLayer(nn.Module):
         return q, k, qkv[:, self.split_qk_v[0] :].view(-1, self.num_kv_heads, self.head_dim)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        fused = self.act is F.silu and h.dim() == 2 and kernels.elementwise_available(h)
+        if fused and type(self.gate_up_proj) is PackedLinear:
+            act = self.gate_up_proj.silu_product(h)  # on the tile unit: the two lines below in one pass
+            if act is not None:
+                return self.down_proj(act)
         gate_up = self.gate_up_proj(h)
-        if self.act is F.silu and gate_up.dim() == 2 and kernels.elementwise_available(gate_up):
-            return self.down_proj(kernels.silu_mul(gate_up))  # one pass, rounded as the line below
+        if fused:
+            return self.down_proj(kernels.silu_mul(gate_up))  # one pass, rounded as the lines below
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(self.act(gate) * up)
 

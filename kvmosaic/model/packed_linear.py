@@ -54,9 +54,18 @@ class PackedLinear(nn.Module):
         return self.kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tile_rows is not None and (self.tile_rows[0] <= x.shape[0] <= self.tile_rows[1] or _ROWS_ON_THEIR_OWN.get()):
-            return self.tile_product(x)
-        return self.onednn_product(x)
+        return self.tile_product(x) if self.on_tiles_at(x.shape[0]) else self.onednn_product(x)
+
+    def on_tiles_at(self, rows: int) -> bool:
+        """Whether a span of ``rows`` rows takes the tile GEMM."""
+        span = self.tile_rows
+        return span is not None and (span[0] <= rows <= span[1] or _ROWS_ON_THEIR_OWN.get())
+
+    def silu_product(self, x: torch.Tensor) -> torch.Tensor | None:
+        """For a gate/up projection (the gate's outputs first), ``silu(gate) * up`` of ``x``'s rows in one pass
+        of the tile GEMM where the span takes it (``decode_tiles.amx_silu_product``: the bits of
+        :meth:`tile_product` then ``kernels.silu_mul``); else None."""
+        return decode_tiles.amx_silu_product(self.kept, x) if self.on_tiles_at(x.shape[0]) else None
 
     def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's ``x @ w.T``; with ``padded_rows``, over ``x`` and zero rows up to

@@ -11,13 +11,13 @@ benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh and twelfth session
   a server meets new counts all the time (prompt lengths, and the decode rows beside a prompt's, vary);
 - once built, oneDNN's speed jumps with the exact row count on the narrow projections (their QKV over 30
   layers 10.4 ms at 650 rows, 16.1 at 649, 16.4 at 745; the tile GEMM 10.7 at 745), and leads the tile GEMM
-  by ~1.2x on the wide gate/up at every count past 32 rows and on the narrow ones past ~1,000.
+  by 1.05-1.25x on the wide gate/up at every count past 32 rows and on the narrow ones past ~1,000.
 
 So spans of ``TILE_ROWS`` rows of the projections with at most ``TILE_MAX_OUT`` outputs (QKV, output, down)
 and of ``WIDE_TILE_ROWS`` of the wider ones (gate/up: up to where oneDNN's lead outgrows its first-call
 cost) take the tile GEMM, the rest oneDNN's, called with zero rows added up to one of a few dozen counts
 (``PackedLinear.padded_rows``: a span of 745 rows as 768), so that a server builds oneDNN's kernel for a
-count once and meets it again (a 745-token prefill ~2%, a 1,500-token one ~4% faster for new lengths). A
+count once and meets it again (745- and 1,500-token prefills of new lengths ~2% and ~3% faster). A
 prompt of up to 256 rows computes every row on its own (the tile GEMM and the row kernels do): its rows are
 the same bits at any count.
 

@@ -122,6 +122,7 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
                                                                              i32]),
         "linear_rows": (i32, [ptr, i64, i64, i32, ptr, i64, ptr, i32, i32]),
         "linear_amx": (i32, [ptr, i64, i64, ptr, i64, ptr, i32]),
+        "linear_amx_silu": (i32, [ptr, i64, i64, ptr, i64, ptr, i32]),
         "decode_tile_shape": (i32, [i32, ptr]),
         "decode_step_amx": (i32, []),
         "prefill_attention": (i32, [ptr] * 5 + [i64] * 6 + [f32, ptr, i32]),

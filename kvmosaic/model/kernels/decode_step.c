@@ -453,6 +453,67 @@ static void gemm_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t 
             }
         }
 }
+
+/* act [32 rows, 16 channels] = silu(gate) * up from 32 rows at a and the B tiles of one block of gate channels and of
+ * the same block of up channels, rounded as elementwise.h's silu_mul_row rounds the GEMM's rounded outputs (gate and
+ * up to bfloat16, silu's exp16_clamped, silu to bfloat16, the product), so the same bits as gemm_amx then silu_mul. */
+static void gemm_amx_silu_tile(const uint16_t *a, int64_t in, const uint16_t *g, const uint16_t *u, uint16_t *act,
+                               int64_t inter, int64_t rows) {
+    float gate[16][16] __attribute__((aligned(64))), up[16][16] __attribute__((aligned(64)));
+    const int64_t nk = in / 32;
+    const int two = rows > 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (two) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t kb = 0; kb < nk; ++kb) {
+        _tile_loadd(4, a + kb * 32, in * 2);
+        _tile_loadd(6, g + kb * AMX_BLOCK, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two) {
+            _tile_loadd(5, a + 16 * in + kb * 32, in * 2);
+            _tile_dpbf16ps(2, 5, 6);
+        }
+        _tile_loadd(7, u + kb * AMX_BLOCK, 64);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) _tile_dpbf16ps(3, 5, 7);
+    }
+    for (int half = 0; half < 1 + two; ++half) {
+        if (half == 0) {
+            _tile_stored(0, gate, 64);
+            _tile_stored(1, up, 64);
+        } else {
+            _tile_stored(2, gate, 64);
+            _tile_stored(3, up, 64);
+        }
+        for (int64_t r = 0; r < 16 && 16 * half + r < rows; ++r) {
+            const __m512 gr = round_bf16x16(_mm512_load_ps(gate[r])), ur = round_bf16x16(_mm512_load_ps(up[r]));
+            const __m512 sr = _mm512_div_ps(gr, _mm512_add_ps(_mm512_set1_ps(1.0f),
+                                                              exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gr))));
+            store_bf16x16(act + (16 * half + r) * inter, _mm512_mul_ps(round_bf16x16(sr), ur));
+        }
+    }
+}
+
+/* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T (w [2 * inter, in] in B tiles: the
+ * gate's blocks, then the up's), any batch, in the calling team: gemm_amx's row groups, a thread's share of the
+ * blocks of channels; the last group of rows from ``tail`` (zeros after them). */
+static void gemm_amx_silu(const uint16_t *w, int64_t in, int64_t inter, const uint16_t *x, const uint16_t *tail,
+                          int64_t batch, uint16_t *act) {
+    const int64_t nk = in / 32, blocks = inter / 16, groups = (batch + 31) / 32;
+    int64_t lo, hi;
+    static_share(blocks, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    for (int64_t g0 = 0; g0 < groups; g0 += AMX_GEMM_GROUPS)
+        for (int64_t cb = lo; cb < hi; ++cb) {
+            const uint16_t *g = w + cb * nk * AMX_BLOCK, *u = w + (blocks + cb) * nk * AMX_BLOCK;
+            for (int64_t grp = g0; grp < groups && grp < g0 + AMX_GEMM_GROUPS; ++grp) {
+                const int64_t r0 = 32 * grp, rows = batch - r0 < 32 ? batch - r0 : 32;
+                gemm_amx_silu_tile(rows < 32 ? tail : x + r0 * in, in, g, u, act + r0 * inter + cb * 16, inter, rows);
+            }
+        }
+}
 #endif
 
 #define ELEM uint16_t
@@ -597,6 +658,37 @@ int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t ba
     return 0;
 #else
     (void)w, (void)in, (void)out, (void)x, (void)batch, (void)y, (void)num_threads;
+    return -2;
+#endif
+}
+
+/* act [batch, inter] = silu(gate) * up in bfloat16, gate and up the halves of x [batch, in] @ w^T, w [2 * inter, in]
+ * in the tile unit's B tiles (LAYOUT_AMX): gemm_amx_silu, each row on its own at any batch, the same bits as
+ * linear_amx's product then silu_mul (the prompt rows' MLP: model/packed_linear.py). Returns as linear_amx. */
+int linear_amx_silu(const void *w, int64_t in, int64_t inter, const void *x, int64_t batch, void *act,
+                    int num_threads) {
+#if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
+    if (in % 32 || inter % 16 || batch < 0) return -1;
+    if (!amx_permitted()) return -2;
+    if (batch == 0) return 0;
+    uint16_t *tail = NULL;
+    if (batch % 32) { /* the last group of rows, after zeros, computed and let go */
+        tail = aligned_alloc(64, (size_t)(32 * in) * sizeof(uint16_t));
+        if (tail == NULL) return -3;
+        memset(tail, 0, (size_t)(32 * in) * sizeof(uint16_t));
+        memcpy(tail, (const uint16_t *)x + batch / 32 * 32 * in, (size_t)(batch % 32 * in) * sizeof(uint16_t));
+    }
+#pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
+    {
+        const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
+        amx_configure(rows);
+        gemm_amx_silu(w, in, inter, x, tail, batch, act);
+        _tile_release();
+    }
+    free(tail);
+    return 0;
+#else
+    (void)w, (void)in, (void)inter, (void)x, (void)batch, (void)act, (void)num_threads;
     return -2;
 #endif
 }
