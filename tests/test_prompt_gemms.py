@@ -82,11 +82,12 @@ def test_the_gate_up_silu_product_is_the_tile_gemm_then_silu_mul(monkeypatch):
     llm = make_llm(dtype="bfloat16")
     layer = llm.engine.runner.model.layers[1]
     p = layer.gate_up_proj
-    for rows in (1, 17, 33, 100, 745):
+    for rows in (1, 17, 33, 100, 256):
         x = torch.randn(rows, p.in_features).bfloat16()
-        with rows_on_their_own():
-            got = p.silu_product(x)
-        assert torch.equal(got, kernels.silu_mul(p.tile_product(x))), rows
+        assert torch.equal(p.silu_product(x), kernels.silu_mul(p.tile_product(x))), rows
+    assert p.silu_product(torch.randn(257, p.in_features).bfloat16()) is None  # past the rule's span
+    x = torch.randn(745, p.in_features).bfloat16()
+    assert torch.equal(decode_tiles.amx_silu_product(p.kept, x), kernels.silu_mul(p.tile_product(x)))
     x = torch.randn(40, p.in_features).bfloat16()
     want = layer.mlp(x)
     monkeypatch.setattr(kernels, "silu_mul", lambda _: pytest.fail("the MLP wrote gate/up and ran silu_mul"))
