@@ -626,6 +626,18 @@ int decode_tile_shape(int bf16, int64_t *shape) {
 #endif
 }
 
+#if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
+/* A new 32-row buffer (free it) holding x's last batch % 32 rows, zeros after them: gemm_amx's last group. */
+static uint16_t *last_rows_padded(const void *x, int64_t in, int64_t batch) {
+    uint16_t *tail = aligned_alloc(64, (size_t)(32 * in) * sizeof(uint16_t));
+    if (tail == NULL) return NULL;
+    memset(tail, 0, (size_t)(32 * in) * sizeof(uint16_t));
+    memcpy(tail, (const uint16_t *)x + batch / 32 * 32 * in, (size_t)(batch % 32 * in) * sizeof(uint16_t));
+    return tail;
+}
+
+#endif
+
 /* y [batch, out] = x [batch, in] @ w^T in bfloat16, w [out, in] in the tile unit's B tiles (LAYOUT_AMX), each row
  * on its own as in the fused step (its LM head: model/decode_tiles.py's AmxLinear); any batch (past AMX_MAX_BATCH
  * rows, gemm_amx's blocks). Returns 0, -1 for
@@ -637,10 +649,8 @@ int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t ba
     if (batch == 0) return 0;
     uint16_t *tail = NULL;
     if (batch > AMX_MAX_BATCH && batch % 32) { /* the last group of rows, after zeros, computed and let go */
-        tail = aligned_alloc(64, (size_t)(32 * in) * sizeof(uint16_t));
+        tail = last_rows_padded(x, in, batch);
         if (tail == NULL) return -3;
-        memset(tail, 0, (size_t)(32 * in) * sizeof(uint16_t));
-        memcpy(tail, (const uint16_t *)x + batch / 32 * 32 * in, (size_t)(batch % 32 * in) * sizeof(uint16_t));
     }
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
@@ -673,10 +683,8 @@ int linear_amx_silu(const void *w, int64_t in, int64_t inter, const void *x, int
     if (batch == 0) return 0;
     uint16_t *tail = NULL;
     if (batch % 32) { /* the last group of rows, after zeros, computed and let go */
-        tail = aligned_alloc(64, (size_t)(32 * in) * sizeof(uint16_t));
+        tail = last_rows_padded(x, in, batch);
         if (tail == NULL) return -3;
-        memset(tail, 0, (size_t)(32 * in) * sizeof(uint16_t));
-        memcpy(tail, (const uint16_t *)x + batch / 32 * 32 * in, (size_t)(batch % 32 * in) * sizeof(uint16_t));
     }
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
