@@ -403,13 +403,13 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
             store_bf16x16((y) + r * out, _mm512_load_ps(sums[r]));                                                     \
     }
 
-/* y [rows of a, 32 or 16 channels] from 32 rows at a (row stride in; ``rows`` of them written) and the B tiles
- * of one or two blocks of 16 channels (b1 NULL: one). */
-static void gemm_amx_tile(const uint16_t *a, int64_t in, const uint16_t *b0, const uint16_t *b1, uint16_t *y,
-                          int64_t out, int64_t rows) {
-    float sums[16][16] __attribute__((aligned(64)));
+/* C tiles 0-3 = 32 rows at a (row stride in; rows 16-31 only where rows > 16) times the B tiles of one or two
+ * blocks of 16 channels (b1 NULL: one; tiles 1 and 3 for b1), each zeroed and summed over the input in
+ * project_amx's order (kb = 0, 1, ...). */
+static inline void amx_quad_sums(const uint16_t *a, int64_t in, const uint16_t *b0, const uint16_t *b1,
+                                 int64_t rows) {
     const int64_t nk = in / 32;
-    const int two = rows > 16; /* rows 16-31 computed too */
+    const int two = rows > 16;
     _tile_zero(0);
     if (two) _tile_zero(2);
     if (b1 != NULL) _tile_zero(1);
@@ -428,6 +428,14 @@ static void gemm_amx_tile(const uint16_t *a, int64_t in, const uint16_t *b0, con
             if (two) _tile_dpbf16ps(3, 5, 7);
         }
     }
+}
+
+/* y [rows of a, 32 or 16 channels] from 32 rows at a (row stride in; ``rows`` of them written) and the B tiles
+ * of one or two blocks of 16 channels (b1 NULL: one). */
+static void gemm_amx_tile(const uint16_t *a, int64_t in, const uint16_t *b0, const uint16_t *b1, uint16_t *y,
+                          int64_t out, int64_t rows) {
+    float sums[16][16] __attribute__((aligned(64)));
+    amx_quad_sums(a, in, b0, b1, rows);
     AMX_GEMM_STORE(0, y, rows)
     AMX_GEMM_STORE(2, y + 16 * out, rows - 16)
     if (b1 != NULL) {
@@ -460,26 +468,8 @@ static void gemm_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t 
 static void gemm_amx_silu_tile(const uint16_t *a, int64_t in, const uint16_t *g, const uint16_t *u, uint16_t *act,
                                int64_t inter, int64_t rows) {
     float gate[16][16] __attribute__((aligned(64))), up[16][16] __attribute__((aligned(64)));
-    const int64_t nk = in / 32;
     const int two = rows > 16;
-    _tile_zero(0);
-    _tile_zero(1);
-    if (two) {
-        _tile_zero(2);
-        _tile_zero(3);
-    }
-    for (int64_t kb = 0; kb < nk; ++kb) {
-        _tile_loadd(4, a + kb * 32, in * 2);
-        _tile_loadd(6, g + kb * AMX_BLOCK, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        if (two) {
-            _tile_loadd(5, a + 16 * in + kb * 32, in * 2);
-            _tile_dpbf16ps(2, 5, 6);
-        }
-        _tile_loadd(7, u + kb * AMX_BLOCK, 64);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) _tile_dpbf16ps(3, 5, 7);
-    }
+    amx_quad_sums(a, in, g, u, rows);
     for (int half = 0; half < 1 + two; ++half) {
         if (half == 0) {
             _tile_stored(0, gate, 64);
