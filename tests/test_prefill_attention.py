@@ -74,6 +74,27 @@ def test_a_row_does_not_depend_on_what_came_from_the_cache(dim, dtype):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dim", [64, 128])
+def test_a_running_maximum_that_moves_along_the_context(dim, dtype):
+    """Keys that grow along the context, so each row's running maximum moves in many key steps and its
+    accumulator is scaled there: as accurate as torch, and a row the same bits whatever shares its tiles
+    and whatever came from the cache."""
+    q, k, v, slots = _case(300, 0, 6, 2, dim, seed=4, dtype=dtype)
+    growth = torch.ones(k.shape[0])
+    growth[slots] = torch.linspace(0.2, 4.0, slots.numel())
+    k = (k.float() * growth[:, None, None]).to(dtype)
+    scale = dim**-0.5
+    whole = prefill.prefill_attention(q, k, v, slots, scale)
+    exact = _reference(q, k, v, slots, scale, torch.float64)
+    torch_err = (_reference(q, k, v, slots, scale, dtype).double() - exact).abs().max().item()
+    assert (whole.double() - exact).abs().max().item() <= 1.5 * torch_err + (2e-3 if dtype == torch.bfloat16 else 1e-6)
+    for cached in (5, 64, 130, 299):
+        assert torch.equal(prefill.prefill_attention(q[cached:], k, v, slots, scale), whole[cached:])
+    for row in (63, 64, 200, 299):
+        assert torch.equal(prefill.prefill_attention(q[row : row + 1], k, v, slots[: row + 1], scale)[0], whole[row])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dim", [64, 128])
 def test_queries_at_any_positions_are_the_rows_of_the_whole_prefill(dim, dtype):
     """A blend recomputes scattered tokens (``positions``): each is the same bits as its row in
     the whole prompt's prefill (a row depends on its query, position and context only), and

@@ -10,7 +10,7 @@
  * of a query's dimensions), V as [key pairs][D][2] (a lane is one output dimension over a pair of
  * keys). Then every (query head, tile of ROWS query rows) runs an online softmax over blocks of
  * BLOCK keys: scores by VDPBF16PS in float32 (products exact), softmax in float32 with a base-2
- * exponential accurate to 4e-6 (exp2_coarse: P is then rounded to bfloat16, a relative step of
+ * exponential accurate to 9e-5 (exp2_coarse: P is then rounded to bfloat16, a relative step of
  * 2^-8, as torch's flash kernel rounds it), P.V by VDPBF16PS again with float32 sums.
  *
  * Invariants: a query row's result depends only on its own query, its position and the context

@@ -36,18 +36,17 @@ static inline __m512 row_figure(__m512 per_row, int r) {
 DEFINE_REDUCE_ROWS(reduce_rows_max, _mm512_max_ps)
 DEFINE_REDUCE_ROWS(reduce_rows_add, _mm512_add_ps)
 
-/* 2^t on 16 lanes, to 4e-6 relative (a degree-4 fit on [-1/2, 1/2] after taking out the nearest
- * integer); t below -150 gives 0, large t +inf. For probabilities that are rounded to bfloat16
- * (relative step 2^-8) before P.V: a third of exp16_clamped's instructions. */
+/* 2^t on 16 lanes, to 9e-5 relative: t's fraction above floor(t) by VREDUCEPS, a degree-3 fit of 2^f on [0, 1)
+ * (constant term 1: exactly 1 at t = 0), scaled by 2^floor(t) by VSCALEFPS; t below -150 gives 0, large t +inf.
+ * For probabilities that are rounded to bfloat16 (relative step 2^-8) before P.V: a quarter of exp16_clamped's
+ * instructions. */
 static inline __m512 exp2_coarse(__m512 t) {
-    const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_sub_ps(t, n);
-    __m512 p = _mm512_set1_ps(9.6721810036e-3f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.5922119334e-2f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.4022228004e-1f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9312102353e-1f));
+    const __m512 f = _mm512_reduce_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 p = _mm512_set1_ps(7.7065203e-2f);
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.2764700e-1f));
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.9511634e-1f));
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_scalef_ps(p, n);
+    return _mm512_scalef_ps(p, t);
 }
 
 /* One online-softmax step of ``rows`` (<= MAX_ROWS) query rows over a BLOCK-key block: s[r][0]
@@ -130,26 +129,49 @@ static inline __m512bh broadcast_pair(const uint16_t *p) {
     return (__m512bh)_mm512_set1_epi32(pair);
 }
 
-/* K [ctx, kv_heads, D] of head g, through slots, as [ctx_pad/16][D/2][16][2]; zeros past ctx. */
+/* K [ctx, kv_heads, D] of head g, through slots, as [ctx_pad/16][D/2][16][2]; zeros past ctx. Each 16 keys'
+ * pair p (two bfloat16 as one 32-bit lane) gathered into one vector: a 16 x D/2 transpose. */
 static void pack_k(const uint16_t *pool, const int64_t *slots, int64_t ctx, int64_t ctx_pad, int64_t kv_heads,
                    int64_t g, int64_t dim, uint16_t *kt) {
-    for (int64_t j = 0; j < ctx_pad; ++j) {
-        const uint16_t *row = j < ctx ? pool + (slots[j] * kv_heads + g) * dim : NULL;
-        uint16_t *tile = kt + (j / 16) * 16 * dim + (j % 16) * 2;
+    for (int64_t j0 = 0; j0 < ctx_pad; j0 += 16) {
+        const __mmask16 real = first_lanes(ctx - j0);
+        __m512i lo = _mm512_setzero_si512(), hi = _mm512_setzero_si512(); /* each key's row, in 4-byte units */
+        for (int i = 0; i < 16 && j0 + i < ctx; ++i) {
+            const int64_t row = (slots[j0 + i] * kv_heads + g) * dim / 2;
+            if (i < 8)
+                lo = _mm512_mask_set1_epi64(lo, (__mmask8)(1u << i), row);
+            else
+                hi = _mm512_mask_set1_epi64(hi, (__mmask8)(1u << (i - 8)), row);
+        }
+        uint32_t *tile = (uint32_t *)(kt + j0 * dim);
+        const int *base = (const int *)pool;
         for (int64_t p = 0; p < dim / 2; ++p) {
-            tile[p * 32] = row ? row[2 * p] : 0;
-            tile[p * 32 + 1] = row ? row[2 * p + 1] : 0;
+            const __m512i at = _mm512_set1_epi64(p);
+            const __m256i a = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), (__mmask8)real, _mm512_add_epi64(lo, at), base, 4);
+            const __m256i b = _mm512_mask_i64gather_epi32(_mm256_setzero_si256(), (__mmask8)(real >> 8), _mm512_add_epi64(hi, at), base, 4);
+            _mm512_store_si512(tile + p * 16, _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1));
         }
     }
 }
 
-/* V [ctx, kv_heads, D] of head g as [ctx_pad/2][D][2]; zeros past ctx. */
+/* V [ctx, kv_heads, D] of head g as [ctx_pad/2][D][2]; zeros past ctx: two keys' rows interleaved, 32 elements
+ * of each at a time. */
 static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int64_t ctx_pad, int64_t kv_heads,
                    int64_t g, int64_t dim, uint16_t *vt) {
-    for (int64_t j = 0; j < ctx_pad; ++j) {
-        const uint16_t *row = j < ctx ? pool + (slots[j] * kv_heads + g) * dim : NULL;
-        uint16_t *pair = vt + (j / 2) * 2 * dim + (j % 2);
-        for (int64_t d = 0; d < dim; ++d) pair[2 * d] = row ? row[d] : 0;
+    /* permutation indices: 16-bit lanes 2i, 2i + 1 take a[i], b[i] (b's elements numbered from 32); then 16 on */
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i first = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(0x10001)), _mm512_set1_epi32(32 << 16));
+    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(16 * 0x10001));
+    for (int64_t j = 0; j < ctx_pad; j += 2) {
+        const uint16_t *ra = j < ctx ? pool + (slots[j] * kv_heads + g) * dim : NULL;
+        const uint16_t *rb = j + 1 < ctx ? pool + (slots[j + 1] * kv_heads + g) * dim : NULL;
+        uint16_t *pair = vt + j * dim;
+        for (int64_t d = 0; d < dim; d += 32) {
+            const __m512i a = ra ? _mm512_loadu_si512(ra + d) : _mm512_setzero_si512();
+            const __m512i b = rb ? _mm512_loadu_si512(rb + d) : _mm512_setzero_si512();
+            _mm512_storeu_si512(pair + 2 * d, _mm512_permutex2var_epi16(a, first, b));
+            _mm512_storeu_si512(pair + 2 * d + 32, _mm512_permutex2var_epi16(a, second, b));
+        }
     }
 }
 
