@@ -7,7 +7,9 @@ products over every layer's projections (the weights streamed as a prefill strea
 ``--rows``, best of ``--repeats``, and prints the milliseconds per projection kind over all layers, the
 ratio, what oneDNN's first pass at that row count took more (building its kernel for the count: a
 server meets new counts all the time), and which of the two the engine takes for that span
-(``prompt_gemms.TILE_ROWS``, ``WIDE_TILE_ROWS``, ``TILE_MAX_OUT``).
+(``prompt_gemms.TILE_ROWS``, ``WIDE_TILE_ROWS``, ``TILE_MAX_OUT``). The column "gate/up + SiLU" is what a
+SiLU layer's MLP runs: oneDNN's product then ``kernels.silu_mul`` against the tile GEMM with SiLU . up in
+its epilogue (``PackedLinear.silu_product``); "all" adds the narrow three and that one.
 
 Run: ``python -m benchmarks.prompt_gemms`` from the repository root (``--rows``, ``--repeats``).
 """
@@ -21,20 +23,23 @@ import torch
 
 from kvmosaic.bench.machine import describe
 from kvmosaic.engine.llm import LLM
-from kvmosaic.model import prompt_gemms
+from kvmosaic.model import kernels, prompt_gemms
 from kvmosaic.model.packed_linear import PackedLinear
 
 KINDS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+PLAIN = (PackedLinear.onednn_product, PackedLinear.tile_product)
+SILU = (lambda m, x: kernels.silu_mul(m.onednn_product(x)), PackedLinear.silu_product)
+COLUMNS = (*((kind, kind, PLAIN) for kind in KINDS), ("gate/up + SiLU", "gate_up_proj", SILU))
 
 
-def _all_layers(modules: list[PackedLinear], product: str, x: torch.Tensor, repeats: int) -> tuple[float, float]:
+def _all_layers(modules: list[PackedLinear], product, x: torch.Tensor, repeats: int) -> tuple[float, float]:
     """(best of ``repeats`` passes over the layers, what the first pass took more: oneDNN's kernel for a
     row count it had not met)."""
     times = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         for module in modules:
-            getattr(module, product)(x)
+            product(module, x)
         times.append(time.perf_counter() - start)
     best = min(times[1:])
     return best, times[0] - best
@@ -52,22 +57,22 @@ def main() -> None:
     print(describe(), flush=True)
     print(f"{len(model.layers)} layers, {torch.get_num_threads()} threads; ms over all layers, oneDNN / tile GEMM "
           "(ratio) [oneDNN's first pass at the count: ms more], * the tile GEMM's is the engine's")
-    print("| rows | " + " | ".join(KINDS) + " | all |")
-    print("|---|" + "---|" * (len(KINDS) + 1))
+    print("| rows | " + " | ".join(name for name, _, _ in COLUMNS) + " | all |")
+    print("|---|" + "---|" * (len(COLUMNS) + 1))
     for rows in map(int, args.rows.split(",")):
         cells, totals = [], [0.0, 0.0]
-        for modules in kinds.values():
+        for name, kind, products in COLUMNS:
+            modules = kinds[kind]
             x = torch.randn(rows, modules[0].in_features).bfloat16()
-            (onednn, first), (tile, _) = (_all_layers(modules, p, x, args.repeats)
-                                          for p in ("onednn_product", "tile_product"))
-            span = modules[0].tile_rows
-            chosen = span is not None and span[0] <= rows <= span[1]
+            (onednn, first), (tile, _) = (_all_layers(modules, p, x, args.repeats) for p in products)
+            chosen = products is SILU and modules[0].tile_rows is not None or (
+                products is PLAIN and modules[0].on_tiles_at(rows))
             cells.append(f"{onednn * 1e3:.1f} / {tile * 1e3:.1f} ({tile / onednn:.2f}) [+{first * 1e3:.1f}]"
                          f"{' *' if chosen else ''}")
-            totals[0] += onednn
-            totals[1] += tile
+            if name != "gate_up_proj":
+                totals[0] += onednn
+                totals[1] += tile
         print(f"| {rows} | " + " | ".join(cells) + f" | {totals[0] * 1e3:.1f} / {totals[1] * 1e3:.1f} |", flush=True)
-
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """The GEMM of a projection's prompt rows (model/prompt_gemms.py): oneDNN's packed product or, where the
-fused step's weights are on the tile unit, the tile GEMM for spans of ``TILE_ROWS`` rows of the narrow
-projections and ``WIDE_TILE_ROWS`` of the wide one; fixed by the row count, and the engine's outputs the same
-tokens either way."""
+fused step's weights are on the tile unit, the tile GEMM for every span of the narrow projections and of
+gate/up with SiLU . up in its epilogue, and for spans of ``WIDE_TILE_ROWS`` rows of gate/up's plain product;
+fixed by the row count, and the engine's outputs the same tokens either way."""
 
 from __future__ import annotations
 
@@ -46,15 +46,15 @@ def test_an_unknown_override_is_refused(monkeypatch):
 
 @on_tiles
 def test_a_span_takes_the_product_of_its_row_count():
-    """The narrow projections take the tile GEMM for spans of TILE_ROWS rows, the wide one (gate/up) for
+    """The narrow projections take the tile GEMM for every span, the wide one's plain product (gate/up) for
     WIDE_TILE_ROWS, oneDNN's past them. The same bits as the product called directly."""
     projections = _projections(make_llm(dtype="bfloat16"))
     for p in {(p.out_features, p.in_features): p for p in projections}.values():
         narrow = p.out_features <= prompt_gemms.TILE_MAX_OUT
         first, last = prompt_gemms.TILE_ROWS if narrow else prompt_gemms.WIDE_TILE_ROWS
-        assert p.tile_rows == (first, last)
-        x = torch.randn(prompt_gemms.TILE_ROWS[1] + 7, p.in_features).bfloat16()
-        for rows in (1, 40, 256, 257, 700, 1024, 1031):
+        assert p.tile_rows == (first, last) and (last > 4096 if narrow else last == 256)
+        x = torch.randn(1500, p.in_features).bfloat16()
+        for rows in (1, 40, 256, 257, 700, 1024, 1031, 1500):
             want = p.tile_product if first <= rows <= last else p.onednn_product
             assert torch.equal(p(x[:rows]), want(x[:rows])), (p.out_features, p.in_features, rows)
     assert len({p.tile_rows for p in projections}) == 2
@@ -64,34 +64,35 @@ def test_a_span_takes_the_product_of_its_row_count():
 def test_rows_on_their_own_take_the_tile_gemm_at_any_count():
     """Within ``rows_on_their_own`` (``batch_invariant``'s steps) every span takes the tile GEMM: a row is
     the same bits in a span of 1,500 rows as in one of 20, for every projection kind; outside it, past
-    the rule's spans, oneDNN's product again."""
+    the rule's span of the wide plain product, oneDNN's product again."""
     for p in {(p.out_features, p.in_features): p for p in _projections(make_llm(dtype="bfloat16"))}.values():
         x = torch.randn(1500, p.in_features).bfloat16()
         with rows_on_their_own():
             whole, first = p(x), p(x[:20])
         assert torch.equal(whole, p.tile_product(x)) and torch.equal(whole[:20], first)
-        assert torch.equal(p(x), p.onednn_product(x))
+        narrow = p.out_features <= prompt_gemms.TILE_MAX_OUT
+        assert torch.equal(p(x), p.tile_product(x) if narrow else p.onednn_product(x))
 
 
 @on_tiles
 def test_the_gate_up_silu_product_is_the_tile_gemm_then_silu_mul(monkeypatch):
-    """``silu_product``: SiLU·up in the tile GEMM's epilogue, the same bits as its product then the row kernel's
-    ``silu_mul`` at any row count; the layer's MLP takes it where the span is on the tile GEMM."""
+    """``silu_product``: SiLU·up in the tile GEMM's epilogue (each block finished while the next is summed),
+    the same bits as its product then the row kernel's ``silu_mul`` at any row count, past the plain product's
+    span too; the layer's MLP takes it at any count."""
     from kvmosaic.model import kernels
 
     llm = make_llm(dtype="bfloat16")
     layer = llm.engine.runner.model.layers[1]
     p = layer.gate_up_proj
-    for rows in (1, 17, 33, 100, 256):
+    for rows in (1, 17, 33, 100, 256, 257, 745):
         x = torch.randn(rows, p.in_features).bfloat16()
         assert torch.equal(p.silu_product(x), kernels.silu_mul(p.tile_product(x))), rows
-    assert p.silu_product(torch.randn(257, p.in_features).bfloat16()) is None  # past the rule's span
-    x = torch.randn(745, p.in_features).bfloat16()
-    assert torch.equal(decode_tiles.amx_silu_product(p.kept, x), kernels.silu_mul(p.tile_product(x)))
-    x = torch.randn(40, p.in_features).bfloat16()
-    want = layer.mlp(x)
-    monkeypatch.setattr(kernels, "silu_mul", lambda _: pytest.fail("the MLP wrote gate/up and ran silu_mul"))
-    assert torch.equal(layer.mlp(x), want)
+    for rows in (40, 300):
+        x = torch.randn(rows, p.in_features).bfloat16()
+        want = layer.mlp(x)
+        with monkeypatch.context() as m:
+            m.setattr(kernels, "silu_mul", lambda _: pytest.fail("the MLP wrote gate/up and ran silu_mul"))
+            assert torch.equal(layer.mlp(x), want)
 
 
 def test_onednn_spans_past_256_rows_meet_a_few_dozen_counts():
@@ -120,9 +121,10 @@ def test_a_padded_span_is_the_product_at_the_padded_count():
 
 
 @on_tiles
-@pytest.mark.parametrize(("length", "cached", "batch_invariant"), [(200, 176, False), (700, 592, True)])
+@pytest.mark.parametrize(("length", "cached", "batch_invariant"), [(200, 176, False), (700, 592, False),
+                                                                  (700, 592, True)])
 def test_a_prompt_is_the_same_bits_from_the_cache_or_not(tokenizer, length, cached, batch_invariant):
-    """Every projection of a span of up to 256 rows is on the tile GEMM, which computes each row on its own
+    """Every projection of a SiLU model's prompt span is on the tile GEMM, which computes each row on its own
     (as the row kernels and the prefill attention do), and so is every span with ``batch_invariant``:
     the new tokens behind cached ones give the logits a cold prefill gives, bit for bit, where oneDNN's
     GEMM changes a row with the row count (up to 32 rows and past them it runs other kernels)."""

@@ -58,18 +58,15 @@ class PackedLinear(nn.Module):
 
     def on_tiles_at(self, rows: int) -> bool:
         """Whether a span of ``rows`` rows takes the tile GEMM (by the rule, or within rows_on_their_own)."""
-        return self._in_span(rows) or (self.tile_rows is not None and _ROWS_ON_THEIR_OWN.get())
-
-    def _in_span(self, rows: int) -> bool:
         span = self.tile_rows
-        return span is not None and span[0] <= rows <= span[1]
+        return span is not None and (span[0] <= rows <= span[1] or _ROWS_ON_THEIR_OWN.get())
 
     def silu_product(self, x: torch.Tensor) -> torch.Tensor | None:
         """For a gate/up projection (the gate's outputs first), ``silu(gate) * up`` of ``x``'s rows in one pass
-        of the tile GEMM where the rule gives the span to it (``decode_tiles.amx_silu_product``: the bits of
-        :meth:`tile_product` then ``kernels.silu_mul``); else None. Not past the rule's span: there the
-        epilogue's exp beside the tile products costs more than the separate pass (from ~400 rows)."""
-        return decode_tiles.amx_silu_product(self.kept, x) if self._in_span(x.shape[0]) else None
+        of the tile GEMM, at any row count where the projection is on the tile unit (``decode_tiles.
+        amx_silu_product``: the bits of :meth:`tile_product` then ``kernels.silu_mul``, faster than oneDNN's
+        product then ``silu_mul`` at every count: model/prompt_gemms.py); else None."""
+        return decode_tiles.amx_silu_product(self.kept, x) if self.tile_rows is not None else None
 
     def onednn_product(self, x: torch.Tensor) -> torch.Tensor:
         """oneDNN's ``x @ w.T``; with ``padded_rows``, over ``x`` and zero rows up to

@@ -4,22 +4,24 @@ Where the fused decode step's projections are on the tile unit (an AMX CPU in bf
 ``decode_tiles.amx_blocks``), every packed projection keeps two copies of its weight: oneDNN's packed
 one and the step's B tiles, so either can compute a span of prompt rows (``PackedLinear.onednn_product``,
 ``tile_product``: decode_step.c's ``gemm_amx``). Two costs decide between them (``python -m
-benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh and twelfth sessions, a 2-core AMX Xeon):
+benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh to thirteenth sessions, a 2-core AMX Xeon):
 
 - oneDNN builds its kernel for each row count it meets: the first product at a new count costs 1.2-1.5 ms
   more per projection kind at ~130 rows and 3-4.5 ms at 420-750 (the tile GEMM has no per-shape code), and
   a server meets new counts all the time (prompt lengths, and the decode rows beside a prompt's, vary);
-- once built, oneDNN's speed jumps with the exact row count on the narrow projections (their QKV over 30
-  layers 10.4 ms at 650 rows, 16.1 at 649, 16.4 at 745; the tile GEMM 10.7 at 745), and leads the tile GEMM
-  by 1.05-1.25x on the wide gate/up at every count past 32 rows and on the narrow ones past ~1,000.
+- the tile GEMM finishes each block of outputs (rounding, or SiLU . up) while it sums the next, so its
+  narrow projections (QKV, output, down) match or beat oneDNN's at every count (over 30 layers at 1,500 rows
+  61 against 77 ms, at 2,048 80 against 81), and gate/up with SiLU . up in its epilogue beats oneDNN's
+  product then ``silu_mul`` at every count (745 rows 34 against 44 ms, 2,048 84 against 95);
+- oneDNN's plain gate/up product leads the tile GEMM's by 1.05-1.25x past 256 rows.
 
-So spans of ``TILE_ROWS`` rows of the projections with at most ``TILE_MAX_OUT`` outputs (QKV, output, down)
-and of ``WIDE_TILE_ROWS`` of the wider ones (gate/up: up to where oneDNN's lead outgrows its first-call
-cost) take the tile GEMM, the rest oneDNN's, called with zero rows added up to one of a few dozen counts
-(``PackedLinear.padded_rows``: a span of 745 rows as 768), so that a server builds oneDNN's kernel for a
-count once and meets it again (745- and 1,500-token prefills of new lengths ~2% and ~3% faster). A
-prompt of up to 256 rows computes every row on its own (the tile GEMM and the row kernels do): its rows are
-the same bits at any count.
+So every span of the projections with at most ``TILE_MAX_OUT`` outputs takes the tile GEMM (``TILE_ROWS``),
+and so does every span of gate/up where the layer's activation is SiLU (``PackedLinear.silu_product``); a
+plain wide product (another activation) takes it for ``WIDE_TILE_ROWS`` and oneDNN's past them, called with
+zero rows added up to one of a few dozen counts (``PackedLinear.padded_rows``: a span of 745 rows as 768),
+so that a server builds oneDNN's kernel for a count once and meets it again. A SiLU model's prompt thus
+computes every row on its own at any length (the tile GEMM and the row kernels do): its rows are the same
+bits at any count, from the cache or not.
 
 The rule is fixed, not measured per process: a span's row count alone decides its product, so a prompt
 gives the same bits in every process on the same CPU (a measured choice followed the measurement's noise
@@ -37,10 +39,10 @@ from . import decode_tiles
 from .packed_linear import PackedLinear
 
 ENV = "KVMOSAIC_PROMPT_GEMMS"
-TILE_ROWS = (1, 1024)  # spans of these row counts (inclusive) take the tile GEMM ...
-TILE_MAX_OUT = 1024  # ... in projections with at most this many outputs
-WIDE_TILE_ROWS = (1, 256)  # ... and spans of these in the wider ones
 ALL_ROWS = (1, 1 << 62)
+TILE_ROWS = ALL_ROWS  # spans of these row counts (inclusive) take the tile GEMM ...
+TILE_MAX_OUT = 1024  # ... in projections with at most this many outputs
+WIDE_TILE_ROWS = (1, 256)  # ... and spans of these in the wider ones' plain product
 
 
 def choose(model: nn.Module) -> int:
