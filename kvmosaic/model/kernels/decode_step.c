@@ -355,6 +355,15 @@ static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16
     }
 }
 
+/* silu(gate) * up on 16 lanes of float32 sums, as elementwise.h's silu_mul_row rounds the GEMM's rounded outputs:
+ * gate and up rounded to bfloat16, silu's exp16_clamped, silu rounded, the product (rounded by the caller's
+ * store_bf16x16, which flushes subnormals as silu_mul_row's store does). */
+static inline __m512 silu_times_up(__m512 gate, __m512 up) {
+    const __m512 g = round_bf16x16(gate);
+    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_mul_ps(round_bf16x16(s), round_bf16x16(up));
+}
+
 /* act [batch, inter] = silu(gate) * up as gate_up_silu computes it (gate and up rounded, silu and the
  * product too), gate and up from w [2 * inter, in] in B tiles; x's rows as project_amx's. */
 static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const uint16_t *x, int64_t batch,
@@ -405,18 +414,14 @@ typedef struct {
 } Pending;
 
 /* Finishes the pending block's rows up to ``end``. Plain: the sums rounded as project_amx rounds them
- * (VCVTNEPS2BF16: torch's rounding, subnormals flushed as oneDNN's GEMMs flush them); silu: gate and up rounded
- * to bfloat16, silu's exp16_clamped, silu rounded, the product rounded, as elementwise.h's silu_mul_row rounds
- * the GEMM's rounded outputs (the same bits as gemm_amx then silu_mul). */
+ * (VCVTNEPS2BF16: torch's rounding, subnormals flushed as oneDNN's GEMMs flush them); silu: silu_times_up (the
+ * same bits as gemm_amx then silu_mul). */
 static inline __attribute__((always_inline)) void finish_rows(Pending *p, int64_t end, const int silu) {
     for (; p->done < end && p->done < p->rows; ++p->done) {
         const float *sums = p->sums[p->done];
         uint16_t *y = p->y + p->done * p->stride;
         if (silu) {
-            const __m512 gr = round_bf16x16(_mm512_load_ps(sums)), ur = round_bf16x16(_mm512_load_ps(sums + 16));
-            const __m512 sr = _mm512_div_ps(gr, _mm512_add_ps(_mm512_set1_ps(1.0f),
-                                                              exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), gr))));
-            store_bf16x16(y, _mm512_mul_ps(round_bf16x16(sr), ur));
+            store_bf16x16(y, silu_times_up(_mm512_load_ps(sums), _mm512_load_ps(sums + 16)));
         } else {
             store_bf16x16(y, _mm512_load_ps(sums));
             if (p->channels == 32) store_bf16x16(y + 16, _mm512_load_ps(sums + 16));

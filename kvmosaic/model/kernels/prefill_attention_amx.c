@@ -7,8 +7,9 @@
  * context in steps of AMX_KEYS keys: S = Q.K^T 32 keys at a time into four 16 x 16 float32 tiles (Q as the A
  * tiles, K's packed [16 keys][D/2][2] rows as B tiles), the online softmax on the vectors (softmax_step: the
  * operations of softmax_rows, 8 rows at a time, over the step's vectors), P rounded to bfloat16 as the A
- * tiles, P.V summed over the step in float32 C tiles from zero (V's packed [key pairs][D][2] as B tiles),
- * and each row's accumulator scaled and added to once a step in one fused multiply-add.
+ * tiles, P.V added to the rows' float32 accumulators in C tiles loaded from them and stored back (V's packed
+ * [key pairs][D][2] as B tiles); a row whose maximum moved has its accumulator scaled first (by exactly 1,
+ * nothing, where it held: a row's sums so depend on its own maxima alone).
  *
  * Invariants, as the vector kernel's: a row's result depends only on its query, its position and the context
  * up to it. A tile product computes each output element from its own row of A alone, in an order fixed by the
@@ -56,14 +57,15 @@ static inline void scores_32(const uint16_t *q, int two, const uint16_t *k0, int
     if (two) { _tile_stored(2, scores + 16 * AMX_KEYS, AMX_KEYS * 4); _tile_stored(3, scores + 16 * AMX_KEYS + 16, AMX_KEYS * 4); }
 }
 
-/* P.V of the task's row tiles over `chunks` 32-key chunks of one step for dims 16g to 16g + 31 (C tiles 0, 1 the
- * first row tile's two 16-dim groups, 2, 3 the second's), summed over the chunks in the tiles, stored to out
- * (row stride dim floats). probs: [AMX_ROWS][AMX_KEYS] bfloat16; v: packed V ([key pairs][D][2]) at the
- * step's first key. */
+/* P.V of the task's row tiles over `chunks` 32-key chunks of one step for dims 16g to 16g + 31, added on the tile
+ * unit to their accumulator rows in acc (row stride dim floats): C tiles 0, 1 the first row tile's two 16-dim
+ * groups, 2, 3 the second's, loaded from acc, summed over the chunks, stored back. probs: [AMX_ROWS][AMX_KEYS]
+ * bfloat16; v: packed V ([key pairs][D][2]) at the step's first key. */
 static inline void pv_pass(const uint16_t *probs, int two, int chunks, const uint16_t *v, int64_t dim, int64_t g,
-                           float *out) {
-    const int64_t stride = dim * 4; /* bytes: one key pair's D pairs of bfloat16 */
-    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+                           float *acc) {
+    const int64_t stride = dim * 4; /* bytes: one key pair's D pairs of bfloat16, one accumulator row */
+    _tile_loadd(0, acc + g * 16, stride); _tile_loadd(1, acc + (g + 1) * 16, stride);
+    if (two) { _tile_loadd(2, acc + 16 * dim + g * 16, stride); _tile_loadd(3, acc + 16 * dim + (g + 1) * 16, stride); }
     for (int c = 0; c < chunks; ++c) {
         const uint16_t *vc = v + c * 16 * 2 * dim;
         _tile_loadd(6, vc + g * 32, stride); _tile_loadd(7, vc + (g + 1) * 32, stride);
@@ -74,18 +76,19 @@ static inline void pv_pass(const uint16_t *probs, int two, int chunks, const uin
             _tile_dpbf16ps(2, 5, 6); _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, out + g * 16, stride); _tile_stored(1, out + (g + 1) * 16, stride);
-    if (two) { _tile_stored(2, out + 16 * dim + g * 16, stride); _tile_stored(3, out + 16 * dim + (g + 1) * 16, stride); }
+    _tile_stored(0, acc + g * 16, stride); _tile_stored(1, acc + (g + 1) * 16, stride);
+    if (two) { _tile_stored(2, acc + 16 * dim + g * 16, stride); _tile_stored(3, acc + 16 * dim + (g + 1) * 16, stride); }
 }
 
 /* One online-softmax step of MAX_ROWS rows over `vectors` 16-key vectors of their scores from key j0 (row
  * stride AMX_KEYS): the probabilities exp2(score * unit - max), exactly 0 past a row's last key, rounded to
- * bfloat16 into probs; the running maxima and sums in *m, *l (row_figure's layout); corr[r] the factor row
- * r's accumulator is scaled by. A row's maximum and sum run over its vectors in order, so vectors past its
+ * bfloat16 into probs; the running maxima and sums in *m, *l (row_figure's layout); *factor what each row's
+ * accumulator is scaled by (row_figure's layout: exactly 1 where the row's maximum held); returns whether
+ * some row's is not 1. A row's maximum and sum run over its vectors in order, so vectors past its
  * last key (zeros: a step cut short at the task's reach has none of them) change neither; a step wholly
  * past the row leaves its figures as they were (factor exactly 1). softmax_rows' operations, on longer steps. */
-static inline void softmax_step(const float *scores, uint16_t *probs, int vectors, const int64_t *last, int64_t j0,
-                                __m512 unit, __m512 *m, __m512 *l, __m512 *corr) {
+static inline int softmax_step(const float *scores, uint16_t *probs, int vectors, const int64_t *last, int64_t j0,
+                                __m512 unit, __m512 *m, __m512 *l, __m512 *factor) {
     const __m512 minus_inf = _mm512_set1_ps(-INFINITY);
     __m512 top[MAX_ROWS], sum[MAX_ROWS];
     int64_t seen = last[0];
@@ -101,7 +104,7 @@ static inline void softmax_step(const float *scores, uint16_t *probs, int vector
     }
     const __m512 m_new = _mm512_max_ps(*m, _mm512_mul_ps(reduce_rows_max(top), unit));
     /* m - m_new <= 0; -inf - finite (a row's first step) is clamped: a factor of ~0 on an accumulator that is still 0 */
-    const __m512 factor = exp2_coarse(_mm512_max_ps(_mm512_sub_ps(*m, m_new), _mm512_set1_ps(-200.0f)));
+    const __m512 scale = exp2_coarse(_mm512_max_ps(_mm512_sub_ps(*m, m_new), _mm512_set1_ps(-200.0f)));
     for (int r = 0; r < MAX_ROWS; ++r) {
         const float *row = scores + r * AMX_KEYS;
         const __m512 mr = row_figure(m_new, r);
@@ -115,10 +118,11 @@ static inline void softmax_step(const float *scores, uint16_t *probs, int vector
             }
             _mm512_store_si512(probs + r * AMX_KEYS + 16 * i, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
         }
-        corr[r] = row_figure(factor, r);
     }
-    *l = _mm512_add_ps(_mm512_mul_ps(*l, factor), reduce_rows_add(sum));
+    *l = _mm512_add_ps(_mm512_mul_ps(*l, scale), reduce_rows_add(sum));
     *m = m_new;
+    *factor = scale;
+    return _mm512_cmp_ps_mask(scale, _mm512_set1_ps(1.0f), _CMP_NEQ_UQ) != 0;
 }
 
 /* AMX_ROWS query rows of one head (q rows packed at dim elements apart; row r sees keys 0..last[r], nr real
@@ -128,10 +132,10 @@ static void tile_amx(const uint16_t *q, const int64_t *last, int nr, const uint1
                      float scale, int64_t dim, uint16_t *const *out_rows) {
     float scores[AMX_ROWS * AMX_KEYS] __attribute__((aligned(64)));
     uint16_t probs[AMX_ROWS * AMX_KEYS] __attribute__((aligned(64)));
-    float step_out[AMX_ROWS * AMX_DIM] __attribute__((aligned(64))), acc[AMX_ROWS * AMX_DIM] __attribute__((aligned(64)));
+    float acc[AMX_ROWS * AMX_DIM] __attribute__((aligned(64)));
     const int two = nr > 16, groups = two ? 4 : 2;
     const __m512 unit = _mm512_set1_ps(scale * EXP_LOG2E);
-    __m512 m[4], l[4], corr[AMX_ROWS];
+    __m512 m[4], l[4];
     for (int g = 0; g < 4; ++g) m[g] = _mm512_set1_ps(-INFINITY), l[g] = _mm512_setzero_ps();
     int64_t reach = 0;
     for (int r = 0; r < nr; ++r) reach = last[r] + 1 > reach ? last[r] + 1 : reach;
@@ -139,23 +143,23 @@ static void tile_amx(const uint16_t *q, const int64_t *last, int nr, const uint1
     for (int64_t j0 = 0; j0 < reach; j0 += AMX_KEYS) {
         const int chunks = reach - j0 >= AMX_KEYS ? AMX_KEYS / 32 : (int)((reach - j0 + 31) / 32);
         for (int c = 0; c < chunks; ++c) scores_32(q, two, kt + (j0 + 32 * c) * dim, dim, scores + 32 * c);
-        for (int g = 0; g < groups; ++g)
-            softmax_step(scores + g * MAX_ROWS * AMX_KEYS, probs + g * MAX_ROWS * AMX_KEYS, 2 * chunks,
-                         last + g * MAX_ROWS, j0, unit, &m[g], &l[g], corr + g * MAX_ROWS);
-        for (int64_t g = 0; g < dim / 16; g += 2) pv_pass(probs, two, chunks, vt + j0 * dim, dim, g, step_out);
-        for (int r = 0; r < groups * MAX_ROWS; ++r)
-            for (int64_t c = 0; c < dim; c += 16) {
-                float *a = acc + r * dim + c;
-                _mm512_store_ps(a, _mm512_fmadd_ps(_mm512_load_ps(a), corr[r], _mm512_load_ps(step_out + r * dim + c)));
+        for (int g = 0; g < groups; ++g) {
+            __m512 factor;
+            if (!softmax_step(scores + g * MAX_ROWS * AMX_KEYS, probs + g * MAX_ROWS * AMX_KEYS, 2 * chunks,
+                              last + g * MAX_ROWS, j0, unit, &m[g], &l[g], &factor))
+                continue;
+            for (int r = 0; r < MAX_ROWS; ++r) { /* a row whose maximum held is scaled by exactly 1: as it was */
+                const __m512 corr = row_figure(factor, r);
+                float *a = acc + (g * MAX_ROWS + r) * dim;
+                for (int64_t c = 0; c < dim; c += 16) _mm512_store_ps(a + c, _mm512_mul_ps(_mm512_load_ps(a + c), corr));
             }
+        }
+        for (int64_t g = 0; g < dim / 16; g += 2) pv_pass(probs, two, chunks, vt + j0 * dim, dim, g, acc);
     }
     for (int r = 0; r < nr; ++r) {
         const __m512 inv = _mm512_set1_ps(1.0f / row_scalar(l[r / MAX_ROWS], r % MAX_ROWS));
-        for (int64_t c = 0; c < dim; c += 16) {
-            float o[16];
-            _mm512_storeu_ps(o, _mm512_mul_ps(_mm512_load_ps(acc + r * dim + c), inv));
-            for (int i = 0; i < 16; ++i) out_rows[r][c + i] = float_to_bf16(o[i]);
-        }
+        for (int64_t c = 0; c < dim; c += 16) /* VCVTNEPS2BF16: float_to_bf16's rounding, subnormals flushed */
+            store_bf16x16(out_rows[r] + c, _mm512_mul_ps(_mm512_load_ps(acc + r * dim + c), inv));
     }
 }
 #endif
