@@ -11,8 +11,8 @@ benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh to thirteenth sessi
   a server meets new counts all the time (prompt lengths, and the decode rows beside a prompt's, vary);
 - the tile GEMM finishes each block of outputs (rounding, or SiLU . up) while it sums the next, so its
   narrow projections (QKV, output, down) match or beat oneDNN's at every count (over 30 layers at 1,500 rows
-  61 against 77 ms, at 2,048 80 against 81), and gate/up with SiLU . up in its epilogue beats oneDNN's
-  product then ``silu_mul`` at every count (745 rows 34 against 44 ms, 2,048 84 against 95);
+  64 against 75 ms, at 2,048 82 against 84), and gate/up with SiLU . up in its epilogue beats oneDNN's
+  product then ``silu_mul`` at every count (745 rows 34 against 46 ms, 2,048 85 against 103);
 - oneDNN's plain gate/up product leads the tile GEMM's by 1.05-1.25x past 256 rows.
 
 So every span of the projections with at most ``TILE_MAX_OUT`` outputs takes the tile GEMM (``TILE_ROWS``),
