@@ -176,7 +176,7 @@ def test_this_cpus_vendor_is_read():
 
 def test_the_tile_units_head_computes_each_row_alone_at_any_batch_and_as_f_linear_does():
     """``AmxLinear`` (the LM head where the step's projections are on the tile unit): a row's result is
-    the same bits alone, in one or two tiles of rows, and past 32 rows (gemm_amx: blocks of 32 rows by 32
+    the same bits alone, in one or two tiles of rows, and past 32 rows (gemm_amx_blocks: blocks of 32 rows by 32
     channels, the last rows and an odd block of 16 channels on their own, rows in blocks of 128);
     within one bfloat16 rounding of ``F.linear``."""
     if not decode_tiles.amx_blocks():

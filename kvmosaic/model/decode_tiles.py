@@ -243,7 +243,7 @@ class AmxLinear(nn.Module):
     """A bias-free linear layer over a bfloat16 weight kept as the tile unit's B tiles only (``to_amx``),
     computed by the fused step's tile product (``linear_amx``): every row on its own, the same bits as the
     step's LM head where the step's projections are on the tile unit (``amx_blocks``). Past 32 rows as a
-    GEMM (decode_step.c's ``gemm_amx``: blocks of 32 rows by 32 channels; the vocabulary head over 100 /
+    GEMM (decode_step.c's ``gemm_amx_blocks``: blocks of 32 rows by 32 channels; the vocabulary head over 100 /
     648 rows 3.5 / 32 ms against 5.1 / 39 for the step's grouping, oneDNN's 3.1 / 32). The LM head there: it replaces
     oneDNN's packed copy, so the memory is the same (the embedding keeps its rows). ``weight``: the rows
     (a copy)."""

@@ -3,7 +3,7 @@
 Where the fused decode step's projections are on the tile unit (an AMX CPU in bfloat16:
 ``decode_tiles.amx_blocks``), every packed projection keeps two copies of its weight: oneDNN's packed
 one and the step's B tiles, so either can compute a span of prompt rows (``PackedLinear.onednn_product``,
-``tile_product``: decode_step.c's ``gemm_amx``). Two costs decide between them (``python -m
+``tile_product``: decode_step.c's ``gemm_amx_blocks``). Two costs decide between them (``python -m
 benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh to thirteenth sessions, a 2-core AMX Xeon):
 
 - oneDNN builds its kernel for each row count it meets: the first product at a new count costs 1.2-1.5 ms

@@ -415,7 +415,7 @@ typedef struct {
 
 /* Finishes the pending block's rows up to ``end``. Plain: the sums rounded as project_amx rounds them
  * (VCVTNEPS2BF16: torch's rounding, subnormals flushed as oneDNN's GEMMs flush them); silu: silu_times_up (the
- * same bits as gemm_amx then silu_mul). */
+ * same bits as the plain product then silu_mul). */
 static inline __attribute__((always_inline)) void finish_rows(Pending *p, int64_t end, const int silu) {
     for (; p->done < end && p->done < p->rows; ++p->done) {
         const float *sums = p->sums[p->done];
@@ -465,46 +465,29 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
     p->y = y, p->stride = stride, p->rows = rows, p->channels = b1 != NULL ? 32 : 16, p->done = 0;
 }
 
-/* y [batch, out] = x @ w^T (w in B tiles) for batch > AMX_MAX_BATCH, in the calling team: 32 rows x 32 channels at
- * a time, a thread's share of the channel pairs, the rows in blocks of AMX_GEMM_GROUPS x 32 that stay in L2 while
- * the thread's pairs pass over them; the last group of rows from ``tail`` (its rows copied there after zeros:
- * 32 x in). */
-static void gemm_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, const uint16_t *tail, int64_t batch,
-                     uint16_t *y) {
-    const int64_t nk = in / 32, blocks = out / 16, groups = (batch + 31) / 32;
+/* The prompt-sized products, in the calling team: the rows in groups of 32 (the last one from ``tail``: its rows
+ * copied there after zeros, 32 x in), in blocks of AMX_GEMM_GROUPS groups that stay in L2 while a thread's share
+ * of the output blocks passes over them, each output block one amx_block. Plain (silu 0): y [batch, out] = x @ w^T,
+ * an output block 32 channels (two blocks of B tiles; 16 for an odd last one). silu: y [batch, out] = silu(gate) *
+ * up, gate and up the two halves of x @ w^T (w [2 * out, in]: the gate's blocks, then the up's), an output block 16
+ * channels from a block of gate channels and the same block of up channels. */
+static void gemm_amx_blocks(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, const uint16_t *tail,
+                            int64_t batch, uint16_t *y, const int silu) {
+    const int64_t nk = in / 32, blocks = out / 16, groups = (batch + 31) / 32, width = silu ? 1 : 2;
     int64_t lo, hi;
-    static_share((blocks + 1) / 2, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    static_share((blocks + width - 1) / width, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
     Pending pending = {.rows = 0};
     for (int64_t g0 = 0; g0 < groups; g0 += AMX_GEMM_GROUPS)
-        for (int64_t pair = lo; pair < hi; ++pair) {
-            const int64_t cb = 2 * pair;
-            const uint16_t *b0 = w + cb * nk * AMX_BLOCK, *b1 = cb + 1 < blocks ? b0 + nk * AMX_BLOCK : NULL;
+        for (int64_t unit = lo; unit < hi; ++unit) {
+            const int64_t cb = width * unit;
+            const uint16_t *b0 = w + cb * nk * AMX_BLOCK;
+            const uint16_t *b1 = silu ? w + (blocks + cb) * nk * AMX_BLOCK : cb + 1 < blocks ? b0 + nk * AMX_BLOCK : NULL;
             for (int64_t g = g0; g < groups && g < g0 + AMX_GEMM_GROUPS; ++g) {
                 const int64_t r0 = 32 * g, rows = batch - r0 < 32 ? batch - r0 : 32;
-                amx_block(rows < 32 ? tail : x + r0 * in, in, b0, b1, rows, y + r0 * out + cb * 16, out, &pending, 0);
+                amx_block(rows < 32 ? tail : x + r0 * in, in, b0, b1, rows, y + r0 * out + cb * 16, out, &pending, silu);
             }
         }
-    finish_rows(&pending, 32, 0);
-}
-
-/* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T (w [2 * inter, in] in B tiles: the
- * gate's blocks, then the up's), any batch, in the calling team: gemm_amx's row groups, a thread's share of the
- * blocks of channels, each block of gate channels with the same block of up channels. */
-static void gemm_amx_silu(const uint16_t *w, int64_t in, int64_t inter, const uint16_t *x, const uint16_t *tail,
-                          int64_t batch, uint16_t *act) {
-    const int64_t nk = in / 32, blocks = inter / 16, groups = (batch + 31) / 32;
-    int64_t lo, hi;
-    static_share(blocks, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
-    Pending pending = {.rows = 0};
-    for (int64_t g0 = 0; g0 < groups; g0 += AMX_GEMM_GROUPS)
-        for (int64_t cb = lo; cb < hi; ++cb) {
-            const uint16_t *g = w + cb * nk * AMX_BLOCK, *u = w + (blocks + cb) * nk * AMX_BLOCK;
-            for (int64_t grp = g0; grp < groups && grp < g0 + AMX_GEMM_GROUPS; ++grp) {
-                const int64_t r0 = 32 * grp, rows = batch - r0 < 32 ? batch - r0 : 32;
-                amx_block(rows < 32 ? tail : x + r0 * in, in, g, u, rows, act + r0 * inter + cb * 16, inter, &pending, 1);
-            }
-        }
-    finish_rows(&pending, 32, 1);
+    finish_rows(&pending, 32, silu);
 }
 #endif
 
@@ -619,7 +602,7 @@ int decode_tile_shape(int bf16, int64_t *shape) {
 }
 
 #if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
-/* A new 32-row buffer (free it) holding x's last batch % 32 rows, zeros after them: gemm_amx's last group. */
+/* A new 32-row buffer (free it) holding x's last batch % 32 rows, zeros after them: gemm_amx_blocks' last group. */
 static uint16_t *last_rows_padded(const void *x, int64_t in, int64_t batch) {
     uint16_t *tail = aligned_alloc(64, (size_t)(32 * in) * sizeof(uint16_t));
     if (tail == NULL) return NULL;
@@ -632,7 +615,7 @@ static uint16_t *last_rows_padded(const void *x, int64_t in, int64_t batch) {
 
 /* y [batch, out] = x [batch, in] @ w^T in bfloat16, w [out, in] in the tile unit's B tiles (LAYOUT_AMX), each row
  * on its own as in the fused step (its LM head: model/decode_tiles.py's AmxLinear); any batch (past AMX_MAX_BATCH
- * rows, gemm_amx's blocks). Returns 0, -1 for
+ * rows, gemm_amx_blocks). Returns 0, -1 for
  * shapes it does not serve, -2 without the tile unit, -3 out of memory. */
 int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t batch, void *y, int num_threads) {
 #if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
@@ -649,7 +632,7 @@ int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t ba
         if (batch > AMX_MAX_BATCH) {
             const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
             amx_configure(rows);
-            gemm_amx(w, in, out, x, tail, batch, y);
+            gemm_amx_blocks(w, in, out, x, tail, batch, y, 0);
         } else {
             amx_configure_step(batch);
             project_amx(w, in, out, x, batch, y, NULL, NULL);
@@ -665,7 +648,7 @@ int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t ba
 }
 
 /* act [batch, inter] = silu(gate) * up in bfloat16, gate and up the halves of x [batch, in] @ w^T, w [2 * inter, in]
- * in the tile unit's B tiles (LAYOUT_AMX): gemm_amx_silu, each row on its own at any batch, the same bits as
+ * in the tile unit's B tiles (LAYOUT_AMX): gemm_amx_blocks with SiLU . up, each row on its own at any batch, the same bits as
  * linear_amx's product then silu_mul (the prompt rows' MLP: model/packed_linear.py). Returns as linear_amx. */
 int linear_amx_silu(const void *w, int64_t in, int64_t inter, const void *x, int64_t batch, void *act,
                     int num_threads) {
@@ -682,7 +665,7 @@ int linear_amx_silu(const void *w, int64_t in, int64_t inter, const void *x, int
     {
         const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
         amx_configure(rows);
-        gemm_amx_silu(w, in, inter, x, tail, batch, act);
+        gemm_amx_blocks(w, in, inter, x, tail, batch, act, 1);
         _tile_release();
     }
     free(tail);
