@@ -52,7 +52,7 @@ def test_a_span_takes_the_product_of_its_row_count():
     for p in {(p.out_features, p.in_features): p for p in projections}.values():
         narrow = p.out_features <= prompt_gemms.TILE_MAX_OUT
         first, last = prompt_gemms.TILE_ROWS if narrow else prompt_gemms.WIDE_TILE_ROWS
-        assert p.tile_rows == (first, last) and (last > 4096 if narrow else last == 256)
+        assert p.tile_rows == (first, last) and (last > 4096 if narrow else last == 1024)
         x = torch.randn(1500, p.in_features).bfloat16()
         for rows in (1, 40, 256, 257, 700, 1024, 1031, 1500):
             want = p.tile_product if first <= rows <= last else p.onednn_product

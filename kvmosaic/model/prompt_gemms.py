@@ -4,16 +4,19 @@ Where the fused decode step's projections are on the tile unit (an AMX CPU in bf
 ``decode_tiles.amx_blocks``), every packed projection keeps two copies of its weight: oneDNN's packed
 one and the step's B tiles, so either can compute a span of prompt rows (``PackedLinear.onednn_product``,
 ``tile_product``: decode_step.c's ``gemm_amx_blocks``). Two costs decide between them (``python -m
-benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh to thirteenth sessions, a 2-core AMX Xeon):
+benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh to fourteenth sessions, a 2-core AMX Xeon):
 
 - oneDNN builds its kernel for each row count it meets: the first product at a new count costs 1.2-1.5 ms
   more per projection kind at ~130 rows and 3-4.5 ms at 420-750 (the tile GEMM has no per-shape code), and
   a server meets new counts all the time (prompt lengths, and the decode rows beside a prompt's, vary);
 - the tile GEMM finishes each block of outputs (rounding, or SiLU . up) while it sums the next, so its
-  narrow projections (QKV, output, down) match or beat oneDNN's at every count (over 30 layers at 1,500 rows
-  64 against 75 ms, at 2,048 82 against 84), and gate/up with SiLU . up in its epilogue beats oneDNN's
-  product then ``silu_mul`` at every count (745 rows 34 against 46 ms, 2,048 85 against 103);
-- oneDNN's plain gate/up product leads the tile GEMM's by 1.05-1.25x past 256 rows.
+  narrow projections (QKV, output, down) match or beat oneDNN's up to a few thousand rows (over 30 layers at
+  1,500 rows 60 against 73 ms, at 2,048 82 against 83; 4,096 158 against 151), and gate/up with SiLU . up in
+  its epilogue beats oneDNN's product then ``silu_mul`` at every count (745 rows 31 against 44 ms, 2,048 86
+  against 96);
+- oneDNN's plain gate/up product: the tile GEMM's leads it up to ~1,024 rows (745 rows 28 against 34 ms over
+  30 layers, since each pass over the blocks takes as many rows as L2 keeps: fourteenth session), oneDNN's
+  past them (2,048 rows 72 against 85).
 
 So every span of the projections with at most ``TILE_MAX_OUT`` outputs takes the tile GEMM (``TILE_ROWS``),
 and so does every span of gate/up where the layer's activation is SiLU (``PackedLinear.silu_product``); a
@@ -42,7 +45,7 @@ ENV = "KVMOSAIC_PROMPT_GEMMS"
 ALL_ROWS = (1, 1 << 62)
 TILE_ROWS = ALL_ROWS  # spans of these row counts (inclusive) take the tile GEMM ...
 TILE_MAX_OUT = 1024  # ... in projections with at most this many outputs
-WIDE_TILE_ROWS = (1, 256)  # ... and spans of these in the wider ones' plain product
+WIDE_TILE_ROWS = (1, 1024)  # ... and spans of these in the wider ones' plain product
 
 
 def choose(model: nn.Module) -> int:

@@ -395,12 +395,38 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
 }
 /* Prompt-sized products on the tile unit (linear_amx past AMX_MAX_BATCH rows): 32 rows x 32 channels at a time
  * (C tiles 0-3, A tiles 4-5, B tiles 6-7: each tile loaded feeds two products), a thread's share of the channel
- * pairs, the rows in blocks of AMX_GEMM_GROUPS x 32 that stay in L2 while the thread's pairs pass over them. Each
+ * pairs, the rows in passes of amx_pass_groups x 32 that stay in L2 while the thread's pairs pass over them. Each
  * C tile is zeroed and summed over the input in project_amx's order (kb = 0, 1, ...) from the same A and B tiles:
  * a row's bits are project_amx's, at any number of rows. On a 2-core AMX Xeon 1,900-2,600 GFLOP/s over this
  * model's projections from 64 to 2,048 rows, against oneDNN's 1,550-2,200 up to 1,000 rows and ~3,000 at 2,048
  * (BENCHMARKS.md, issue 26, tenth session): the layers' prefill stays oneDNN's, the LM head takes this. */
-#define AMX_GEMM_GROUPS 4
+/* The rows of one pass over a thread's output blocks: as many groups of 32 as fit in AMX_GEMM_PASS_BYTES of
+ * bfloat16 input (L2 is 2 MB a core on the AMX Xeon), so that each block's B tiles come from memory or L3 once
+ * for all of them. At four groups a pass (the thirteenth session's) the blocks' B tiles streamed from L3 at
+ * ~11 GB/s a core, below what the tile products consume: in a harness over gate/up's weights at 745 rows on
+ * one core, 1,460 GFLOP/s at 4 groups a pass, 1,750 at 24 with the next block's B tiles asked for ahead; over
+ * the model's four projections (benchmarks/prompt_gemms.py) -8% at 745 rows, -20% at 140 (BENCHMARKS.md,
+ * issue 26, fourteenth session). 512 KB and 1.5 MB passes were no faster. */
+#define AMX_GEMM_PASS_BYTES (1 << 20)
+
+static inline int64_t amx_pass_groups(int64_t in) {
+    const int64_t groups = AMX_GEMM_PASS_BYTES / (32 * in * 2);
+    return groups > 1 ? groups : 1;
+}
+
+/* The B tiles of a thread's next output block, asked for into L2 a few lines per step of the current block's
+ * input loops (spread over its pass): ranges [a, a + bytes) and [b, b + bytes) (b NULL: one range). */
+typedef struct {
+    const char *a, *b;
+    int64_t bytes, at, per_step;
+} BAhead;
+
+static inline __attribute__((always_inline)) void b_ahead(BAhead *ahead) {
+    for (int64_t i = 0; i < ahead->per_step && ahead->at < ahead->bytes; ++i, ahead->at += 64) {
+        _mm_prefetch(ahead->a + ahead->at, _MM_HINT_T1);
+        if (ahead->b != NULL) _mm_prefetch(ahead->b + ahead->at, _MM_HINT_T1);
+    }
+}
 
 /* A block of a prompt-sized product waiting to be finished: its sums (32 rows x 32 channels: C tiles 0 | 1 over
  * 2 | 3) rounded to bfloat16 and stored, or for SiLU . up (gate's 16 channels | up's 16) turned into 16 outputs.
@@ -435,7 +461,7 @@ static inline __attribute__((always_inline)) void finish_rows(Pending *p, int64_
  * pending block is finished; then this block's sums are pending, its outputs at y (row stride ``stride``). */
 static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, int64_t in, const uint16_t *b0,
                                                             const uint16_t *b1, int64_t rows, uint16_t *y,
-                                                            int64_t stride, Pending *p, const int silu) {
+                                                            int64_t stride, Pending *p, BAhead *ahead, const int silu) {
     const int64_t nk = in / 32, per_step = (32 + nk - 1) / nk;
     const int two = rows > 16;
     _tile_zero(0);
@@ -456,6 +482,7 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
             if (two) _tile_dpbf16ps(3, 5, 7);
         }
         finish_rows(p, (kb + 1) * per_step, silu);
+        b_ahead(ahead);
     }
     finish_rows(p, 32, silu);
     _tile_stored(0, p->sums[0], 128);
@@ -466,27 +493,40 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
 }
 
 /* The prompt-sized products, in the calling team: the rows in groups of 32 (the last one from ``tail``: its rows
- * copied there after zeros, 32 x in), in blocks of AMX_GEMM_GROUPS groups that stay in L2 while a thread's share
- * of the output blocks passes over them, each output block one amx_block. Plain (silu 0): y [batch, out] = x @ w^T,
+ * copied there after zeros, 32 x in), in passes of amx_pass_groups groups that stay in L2 while a thread's share
+ * of the output blocks passes over them, each output block one amx_block per group, the next block's B tiles
+ * asked for meanwhile (BAhead). Plain (silu 0): y [batch, out] = x @ w^T,
  * an output block 32 channels (two blocks of B tiles; 16 for an odd last one). silu: y [batch, out] = silu(gate) *
  * up, gate and up the two halves of x @ w^T (w [2 * out, in]: the gate's blocks, then the up's), an output block 16
  * channels from a block of gate channels and the same block of up channels. */
 static void gemm_amx_blocks(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, const uint16_t *tail,
                             int64_t batch, uint16_t *y, const int silu) {
     const int64_t nk = in / 32, blocks = out / 16, groups = (batch + 31) / 32, width = silu ? 1 : 2;
+    const int64_t pass = amx_pass_groups(in), block_bytes = nk * AMX_BLOCK * 2;
     int64_t lo, hi;
     static_share((blocks + width - 1) / width, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
     Pending pending = {.rows = 0};
-    for (int64_t g0 = 0; g0 < groups; g0 += AMX_GEMM_GROUPS)
+    for (int64_t g0 = 0; g0 < groups; g0 += pass) {
+        const int64_t g1 = g0 + pass < groups ? g0 + pass : groups, steps = (g1 - g0) * nk;
         for (int64_t unit = lo; unit < hi; ++unit) {
             const int64_t cb = width * unit;
             const uint16_t *b0 = w + cb * nk * AMX_BLOCK;
             const uint16_t *b1 = silu ? w + (blocks + cb) * nk * AMX_BLOCK : cb + 1 < blocks ? b0 + nk * AMX_BLOCK : NULL;
-            for (int64_t g = g0; g < groups && g < g0 + AMX_GEMM_GROUPS; ++g) {
+            BAhead ahead = {.bytes = 0, .at = 0, .per_step = 0};
+            if (unit + 1 < hi) { /* the next block's tiles: the gate's and the up's (silu), or 16-32 channels' */
+                const int64_t next = cb + width;
+                ahead.a = (const char *)(w + next * nk * AMX_BLOCK);
+                ahead.b = silu ? (const char *)(w + (blocks + next) * nk * AMX_BLOCK) : NULL;
+                ahead.bytes = silu || next + 1 >= blocks ? block_bytes : 2 * block_bytes;
+                ahead.per_step = (ahead.bytes / 64 + steps - 1) / steps;
+            }
+            for (int64_t g = g0; g < g1; ++g) {
                 const int64_t r0 = 32 * g, rows = batch - r0 < 32 ? batch - r0 : 32;
-                amx_block(rows < 32 ? tail : x + r0 * in, in, b0, b1, rows, y + r0 * out + cb * 16, out, &pending, silu);
+                amx_block(rows < 32 ? tail : x + r0 * in, in, b0, b1, rows, y + r0 * out + cb * 16, out, &pending,
+                          &ahead, silu);
             }
         }
+    }
     finish_rows(&pending, 32, silu);
 }
 #endif
