@@ -11,17 +11,17 @@ benchmarks.prompt_gemms``; BENCHMARKS.md, issue 26, eleventh to fourteenth sessi
   a server meets new counts all the time (prompt lengths, and the decode rows beside a prompt's, vary);
 - the tile GEMM finishes each block of outputs (rounding, or SiLU . up) while it sums the next, so its
   narrow projections (QKV, output, down) match or beat oneDNN's up to a few thousand rows (over 30 layers at
-  1,500 rows 60 against 73 ms, at 2,048 82 against 83; 4,096 158 against 151), and gate/up with SiLU . up in
-  its epilogue beats oneDNN's product then ``silu_mul`` at every count (745 rows 31 against 44 ms, 2,048 86
-  against 96);
-- oneDNN's plain gate/up product: the tile GEMM's leads it up to ~1,024 rows (745 rows 28 against 34 ms over
+  1,500 rows 61 against 75 ms, at 2,048 82 against 83; in another run 4,096 158 against 151), and gate/up with
+  SiLU . up in its epilogue beats oneDNN's product then ``silu_mul`` at every count (745 rows 32 against 45 ms,
+  2,048 84 against 100);
+- oneDNN's plain gate/up product: the tile GEMM's leads it up to ~1,024 rows (745 rows 29 against 35 ms over
   30 layers, since each pass over the blocks takes as many rows as L2 keeps: fourteenth session), oneDNN's
-  past them (2,048 rows 72 against 85).
+  past them (2,048 rows 71 against 82).
 
 So every span of the projections with at most ``TILE_MAX_OUT`` outputs takes the tile GEMM (``TILE_ROWS``),
 and so does every span of gate/up where the layer's activation is SiLU (``PackedLinear.silu_product``); a
 plain wide product (another activation) takes it for ``WIDE_TILE_ROWS`` and oneDNN's past them, called with
-zero rows added up to one of a few dozen counts (``PackedLinear.padded_rows``: a span of 745 rows as 768),
+zero rows added up to one of a few dozen counts (``PackedLinear.padded_rows``: a span of 1,500 rows as 1,536),
 so that a server builds oneDNN's kernel for a count once and meets it again. A SiLU model's prompt thus
 computes every row on its own at any length (the tile GEMM and the row kernels do): its rows are the same
 bits at any count, from the cache or not.

@@ -397,9 +397,9 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
  * (C tiles 0-3, A tiles 4-5, B tiles 6-7: each tile loaded feeds two products), a thread's share of the channel
  * pairs, the rows in passes of amx_pass_groups x 32 that stay in L2 while the thread's pairs pass over them. Each
  * C tile is zeroed and summed over the input in project_amx's order (kb = 0, 1, ...) from the same A and B tiles:
- * a row's bits are project_amx's, at any number of rows. On a 2-core AMX Xeon 1,900-2,600 GFLOP/s over this
- * model's projections from 64 to 2,048 rows, against oneDNN's 1,550-2,200 up to 1,000 rows and ~3,000 at 2,048
- * (BENCHMARKS.md, issue 26, tenth session): the layers' prefill stays oneDNN's, the LM head takes this. */
+ * a row's bits are project_amx's, at any number of rows. On a 2-core AMX Xeon ~2,300-2,600 GFLOP/s over this
+ * model's four projections at 424-2,048 rows as a forward meets their weights, ~2,700 with one projection's
+ * weights in cache (BENCHMARKS.md, issue 26, fourteenth session); which spans take it: model/prompt_gemms.py. */
 /* The rows of one pass over a thread's output blocks: as many groups of 32 as fit in AMX_GEMM_PASS_BYTES of
  * bfloat16 input (L2 is 2 MB a core on the AMX Xeon), so that each block's B tiles come from memory or L3 once
  * for all of them. At four groups a pass (the thirteenth session's) the blocks' B tiles streamed from L3 at
