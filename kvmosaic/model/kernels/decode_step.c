@@ -356,12 +356,10 @@ static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16
 }
 
 /* silu(gate) * up on 16 lanes of float32 sums, as elementwise.h's silu_mul_row rounds the GEMM's rounded outputs:
- * gate and up rounded to bfloat16, silu's exp16_clamped, silu rounded, the product (rounded by the caller's
+ * gate and up rounded to bfloat16, silu16, silu rounded, the product (rounded by the caller's
  * store_bf16x16, which flushes subnormals as silu_mul_row's store does). */
 static inline __m512 silu_times_up(__m512 gate, __m512 up) {
-    const __m512 g = round_bf16x16(gate);
-    const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp16_clamped(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-    return _mm512_mul_ps(round_bf16x16(s), round_bf16x16(up));
+    return _mm512_mul_ps(round_bf16x16(silu16(round_bf16x16(gate))), round_bf16x16(up));
 }
 
 /* act [batch, inter] = silu(gate) * up as gate_up_silu computes it (gate and up rounded, silu and the
