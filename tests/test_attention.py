@@ -126,3 +126,32 @@ def test_decode_over_the_pool_matches_a_float64_reference(dtype, decode_path):
         ref = reference(q[i : i + 1].float(), pool_k[ctx].float(), pool_v[ctx].float(), torch.tensor([len(ctx) - 1]), 0.125)
         tol = 1e-5 if dtype == torch.float32 else 1e-2  # bfloat16: the output's own rounding
         torch.testing.assert_close(out[i : i + 1].double(), ref, atol=tol, rtol=0)
+
+
+@pytest.mark.parametrize("prefix_len", [128, 300, 700])
+def test_decodes_sharing_a_prefix_give_each_row_the_bits_it_gets_alone(prefix_len, decode_path):
+    """bfloat16 rows whose contexts share a prefix's slots (on AMX tiles one task attends a shared chunk for up to
+    16 query rows at once, paged_decode_share): each row's output is the same bits as when it is decoded alone,
+    and as when its prefix's keys sit at slots of its own (nothing shared) — a row's figures never depend on who
+    else attends its keys. Ten rows: more than one lead's share of a chunk (5 rows of 3 q heads)."""
+    torch.manual_seed(prefix_len)
+    heads, kv_heads, d, pool = 9, 3, 64, 12000
+    pool_k, pool_v = (torch.randn(pool, kv_heads, d).to(torch.bfloat16) for _ in range(2))
+    slots = torch.randperm(pool)
+    prefix = slots[:prefix_len]
+    tails = [slots[1000 + 60 * i : 1000 + 60 * i + n] for i, n in enumerate([1, 7, 33, 2, 19, 40, 5, 60, 11, 3])]
+    shared = [torch.cat((prefix, t)) for t in tails]
+    copies = []  # each row's prefix keys copied to slots of its own
+    for i, t in enumerate(tails):
+        own = slots[2000 + i * 1000 : 2000 + i * 1000 + prefix_len]
+        pool_k[own], pool_v[own] = pool_k[prefix], pool_v[prefix]
+        copies.append(torch.cat((own, t)))
+    q = torch.randn(len(tails), heads, d).to(torch.bfloat16)
+    together = paged_attention(q, pool_k, pool_v, _decode_meta(shared), 0.125)
+    apart = paged_attention(q, pool_k, pool_v, _decode_meta(copies), 0.125)
+    assert torch.equal(together, apart)
+    for i, ctx in enumerate(shared):
+        alone = paged_attention(q[i : i + 1], pool_k, pool_v, _decode_meta([ctx]), 0.125)
+        assert torch.equal(together[i : i + 1], alone)
+        ref = reference(q[i : i + 1].float(), pool_k[ctx].float(), pool_v[ctx].float(), torch.tensor([len(ctx) - 1]), 0.125)
+        torch.testing.assert_close(together[i : i + 1].double(), ref, atol=1e-2, rtol=0)

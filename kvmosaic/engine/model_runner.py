@@ -30,7 +30,9 @@ def cascade_pays(model: LlamaForCausalLM, kv: PagedKVCache) -> bool:
     Not where the in-place decode kernel serves the pool (``model/kernels``): reading a shared
     prefix once per row there costs less than gathering it once and merging partial results in
     torch (measured with ``python -m benchmarks.cascade --dtype bfloat16``: cascade 0.80 / 0.85 /
-    0.87x of the plain path's speed at 4 / 16 / 32 decodes behind a 680-token prefix)."""
+    0.87x of the plain path's speed at 4 / 16 / 32 decodes behind a 680-token prefix). In bfloat16 on
+    AMX the kernel attends a shared prefix's chunks once for all their rows itself (``paged_decode_share``,
+    docs/ARCHITECTURE.md "A request's life"), with each row's bits as when it is alone."""
     cfg = model.config
     q = torch.empty(1, cfg.num_heads, cfg.head_dim, dtype=kv.dtype, device=kv.device)
     return not kernels.available(q, kv.k[0])

@@ -70,6 +70,9 @@ typedef struct {
     int64_t batch, max_len, kv_heads, group, dim, q_width, kv_width, qkv_width;
     float scale;
     float *parts, *part_lse;
+    /* where chunks of several rows' contexts are the same keys (paged_decode_share; NULL: not sought): the lead
+     * task of each attends them for all its members at once, on the tiles */
+    const int64_t *share_start, *share_count, *share_members;
 } AttentionStep;
 
 /* Each thread's attention tasks are fixed in advance (static_share: the tasks are equal chunks of

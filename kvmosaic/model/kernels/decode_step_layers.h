@@ -105,6 +105,34 @@ static void NAME(gate_up_silu)(Weight weight, int layout, int64_t in, int64_t in
     }
 }
 
+#if IS_BF16
+/* The keys (slots, n) of a chunk that several rows' contexts share, attended for each member task (paged_decode_share)
+ * at once on the tiles, kv head by kv head: each member's group of q heads rotated as its own task rotates them, its
+ * partial result where its own task would put it; each row's figures as if attended alone (decode_rows_amx). */
+static void NAME(attention_shared)(const AttentionStep *a, const int64_t *member, int64_t count, const ELEM *wide,
+                                   const ELEM *k_pool, const ELEM *v_pool, const int64_t *slots, int64_t n) {
+    const int64_t dim = a->dim, group = a->group;
+    ELEM rows[16 * MAX_DIM];
+    float out[16 * MAX_DIM], lse[16];
+    for (int64_t g = 0; g < a->kv_heads; ++g) {
+        for (int64_t m = 0; m < count; ++m) {
+            int64_t b, c;
+            paged_decode_task(a->first, a->batch, member[m], &b, &c);
+            memcpy(rows + m * group * dim, wide + b * a->qkv_width + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
+            rope_row(rows + m * group * dim, a->cos + b * dim, a->signed_sin + b * dim, group, dim, IS_BF16);
+        }
+        decode_rows_amx(rows, (int)(count * group), k_pool, v_pool, slots, n, a->kv_heads, dim, g, a->scale, out, lse, NULL);
+        for (int64_t m = 0; m < count; ++m) {
+            int64_t b, c;
+            paged_decode_task(a->first, a->batch, member[m], &b, &c);
+            const int64_t part = decode_part(a->first, a->kv_heads, b, g, c);
+            memcpy(a->parts + part * group * dim, out + m * group * dim, (size_t)(group * dim) * sizeof(float));
+            memcpy(a->part_lse + part * group, lse + m * group, (size_t)group * sizeof(float));
+        }
+    }
+}
+#endif
+
 /* One attention task of decode_step: one chunk of one row, every kv head: the head's group of q
  * heads rotated (a private copy, q_rot then q: the row's other chunks read them too), attending the
  * chunk's keys; the chunk that holds the new token rotates its K and writes its K/V to the pool
@@ -117,6 +145,13 @@ static void NAME(attention_task)(const AttentionStep *a, int64_t t, ELEM *wide, 
     paged_decode_task(a->first, a->batch, t, &b, &c);
     const int64_t len = a->lens[b], begin = c * DECODE_CHUNK, n = len - begin < DECODE_CHUNK ? len - begin : DECODE_CHUNK;
     const int64_t *slots = a->ctx_slots + b * a->max_len + begin;
+#if IS_BF16
+    if (a->share_count != NULL && a->share_count[t] != 1) { /* keys other rows attend too (never a row's newest) */
+        if (a->share_count[t] > 1) NAME(attention_shared)(a, a->share_members + a->share_start[t], a->share_count[t], wide,
+                                                          k_pool, v_pool, slots, n);
+        return;
+    }
+#endif
     kv_prefetch_before(kv, t);
     for (int64_t g = 0; g < a->kv_heads; ++g) {
         ELEM *row = wide + b * a->qkv_width, *k = row + a->q_width + g * dim, *v = k + kv_width;
@@ -183,8 +218,18 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
     if (padded > batch) memset(scratch, 0, bytes);
     ELEM *delta = scratch, *other = delta + rows, *wide = other + rows, *attn = wide + padded * widest;
     ELEM *private_rows = attn + padded * q_width;
+    int64_t *share = NULL; /* start, count, members (x 2): chunks that several rows attend, on the tiles */
+    if (decode_amx_serves(IS_BF16, IS_BF16, dim, group)) {
+        share = malloc((size_t)(4 * tasks + 1) * sizeof(int64_t));
+        if (share == NULL || paged_decode_share(first, lens, ctx_slots, max_len, batch, 16 / group, share, share + tasks,
+                                                share + 2 * tasks) != 0) {
+            free(share), free(scratch), free(parts), free(first);
+            return -3;
+        }
+    }
     const AttentionStep step = {first, lens, ctx_slots, slot_mapping, cos, signed_sin, batch, max_len, kv_heads, group, dim,
-                                q_width, kv_width, qkv_width, scale, parts, part_lse};
+                                q_width, kv_width, qkv_width, scale, parts, part_lse, share, share ? share + tasks : NULL,
+                                share ? share + 2 * tasks : NULL};
 #pragma omp parallel num_threads(num_threads)
     {
         float q[MAX_GROUP * MAX_DIM], o[MAX_GROUP * MAX_DIM], lse[MAX_GROUP];
@@ -212,6 +257,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             keys += kv_first.keys;
         }
         const int64_t most = kv_ahead / (2 * kv_first.row_bytes), my_tiles = tiles_hi - tiles_lo;
+        const int attention_tiles = decode_amx_serves(IS_BF16, IS_BF16, dim, group); /* paged_decode_head's choice */
 #if IS_BF16 && defined(KVMOSAIC_AMX)
         if (layout == LAYOUT_AMX) amx_configure_step(batch);
 #endif
@@ -236,7 +282,11 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             kv.k_pool = (const char *)k_pool, kv.v_pool = (const char *)v_pool;
             NAME(project)(w_qkv, layout, hidden, qkv_width, h, batch, wide, xsum, &kv);
             PHASE_MARK(0)
+            if (attention_tiles) decode_amx_configure();
             for (int64_t t = lo; t < hi; ++t) NAME(attention_task)(&step, t, wide, k_pool, v_pool, q_rot, q, &kv);
+#if IS_BF16 && defined(KVMOSAIC_AMX)
+            if (attention_tiles && layout == LAYOUT_AMX) amx_configure_step(batch); /* the projections' tiles again */
+#endif
 #pragma omp barrier
             PHASE_MARK(1)
 #pragma omp for collapse(2) schedule(static)
@@ -280,7 +330,8 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
 #if IS_BF16 && defined(KVMOSAIC_AMX)
         if (layout == LAYOUT_AMX) _tile_release();
 #endif
+        if (attention_tiles) decode_amx_release();
     }
-    free(scratch), free(parts), free(first);
+    free(share), free(scratch), free(parts), free(first);
     return 0;
 }

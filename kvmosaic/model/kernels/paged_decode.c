@@ -7,7 +7,10 @@
  * sum, then the tile's values. Each K and V row is read once per (sequence, kv head) and
  * converted to float32 in registers. Returns the attention output and the log-sum-exp of the
  * scaled scores (cascade attention merges partial results with it). A context is attended in
- * chunks of DECODE_CHUNK keys, one task each, merged in chunk order (paged_decode.h).
+ * chunks of DECODE_CHUNK keys, one task each, merged in chunk order (paged_decode.h). In bfloat16
+ * where the CPU has AMX a chunk is attended on the tiles instead (decode_rows_amx), and a chunk that
+ * several sequences share (the same slots: a cached prefix) once for all their query rows
+ * (paged_decode_share, attend_shared): each row's bits as when it is attended alone.
  *
  * Written in plain C so that it builds in about a second with the system compiler; OpenMP
  * resolves to the runtime torch has already loaded (libgomp.so.1), so torch.set_num_threads
@@ -312,6 +315,15 @@ static void attend_avx2_f32(const float *q, const float *k_pool, const float *v_
 }
 #endif
 
+/* float32 values that are bfloat16 values, as bfloat16: their upper halves. */
+static inline void bf16_upper_halves(const float *x, int64_t n, uint16_t *out) {
+    for (int64_t i = 0; i < n; ++i) {
+        uint32_t bits;
+        memcpy(&bits, x + i, sizeof bits);
+        out[i] = (uint16_t)(bits >> 16);
+    }
+}
+
 /* One (sequence, kv head): the group's ``group`` query heads ``q`` [group, D] float32 over the
  * first ``len`` of ``seq_slots``; writes out [group, D] and lse [group]; kv (NULL: none) asked for a
  * row per key. The AVX512-BF16 path where the pool is bfloat16, the queries bfloat16 values and D a
@@ -319,6 +331,13 @@ static void attend_avx2_f32(const float *q, const float *k_pool, const float *v_
 void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
                        const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
                        float scale, float *out, float *lse, KvPrefetch *kv) {
+    if (len <= DECODE_CHUNK && decode_amx_serves(kv_bf16, q_bf16_exact, dim, group)) {
+        uint16_t qb[MAX_GROUP * MAX_DIM];
+        bf16_upper_halves(q, group * dim, qb);
+        decode_rows_amx(qb, (int)group, (const uint16_t *)k_pool, (const uint16_t *)v_pool, seq_slots, len, kv_heads, dim,
+                        g, scale, out, lse, kv);
+        return;
+    }
 #ifdef HAVE_AVX512_BF16
     if (kv_bf16 && q_bf16_exact && dim % 32 == 0) {
         attend_avx512bf16(q, (const uint16_t *)k_pool, (const uint16_t *)v_pool, seq_slots, len, kv_heads, dim, g,
@@ -371,6 +390,67 @@ void paged_decode_prefetch(const void *k_pool, const void *v_pool, const int64_t
     }
 }
 
+typedef struct {
+    int64_t slot, n, t; /* a task's first slot, key count, index */
+} TaskKey;
+
+static int task_key_order(const void *a, const void *b) {
+    const TaskKey *x = a, *y = b;
+    if (x->slot != y->slot) return x->slot < y->slot ? -1 : 1;
+    if (x->n != y->n) return x->n < y->n ? -1 : 1;
+    return (x->t > y->t) - (x->t < y->t);
+}
+
+int paged_decode_share(const int64_t *first, const int64_t *lens, const int64_t *ctx_slots, int64_t max_len,
+                       int64_t batch, int64_t per_lead, int64_t *start, int64_t *count, int64_t *members) {
+    const int64_t tasks = first[batch];
+    TaskKey *keys = malloc((size_t)(tasks > 0 ? tasks : 1) * sizeof(TaskKey));
+    char *taken = calloc((size_t)(tasks > 0 ? tasks : 1), 1);
+    if (keys == NULL || taken == NULL) {
+        free(keys), free(taken);
+        return -3;
+    }
+    for (int64_t b = 0; b < batch; ++b)
+        for (int64_t t = first[b]; t < first[b + 1]; ++t) {
+            const int64_t begin = (t - first[b]) * DECODE_CHUNK;
+            keys[t] = (TaskKey){ctx_slots[b * max_len + begin], lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK, t};
+        }
+    qsort(keys, (size_t)tasks, sizeof(TaskKey), task_key_order);
+    int64_t used = 0, leads = 0, *run = members + tasks; /* scratch past members: caller sizes it 2 x tasks */
+    for (int64_t i = 0; i < tasks;) {
+        int64_t j = i;
+        while (j < tasks && keys[j].slot == keys[i].slot && keys[j].n == keys[i].n) ++j;
+        for (int64_t a = i; a < j; ++a) { /* each task not yet taken leads those of the run with its very slots */
+            if (taken[a]) continue;
+            int64_t size = 0, b0, c0;
+            paged_decode_task(first, batch, keys[a].t, &b0, &c0);
+            const int64_t *ref = ctx_slots + b0 * max_len + c0 * DECODE_CHUNK;
+            for (int64_t e = a; e < j; ++e) {
+                if (taken[e]) continue;
+                int64_t b1, c1;
+                paged_decode_task(first, batch, keys[e].t, &b1, &c1);
+                if (e == a || memcmp(ref, ctx_slots + b1 * max_len + c1 * DECODE_CHUNK, (size_t)keys[a].n * sizeof(int64_t)) == 0) {
+                    taken[e] = 1;
+                    run[size++] = keys[e].t;
+                }
+            }
+            for (int64_t m = 0; m < size; m += per_lead) {
+                /* shares of consecutive members in task order; their leads taken in turn from their shares' places,
+                 * so that the threads' contiguous ranges of tasks hold leads alike */
+                const int64_t share = size - m < per_lead ? size - m : per_lead, lead = run[m + leads++ % share];
+                start[lead] = used, count[lead] = share;
+                for (int64_t k = 0; k < share; ++k) {
+                    members[used++] = run[m + k];
+                    if (run[m + k] != lead) count[run[m + k]] = 0;
+                }
+            }
+        }
+        i = j;
+    }
+    free(keys), free(taken);
+    return 0;
+}
+
 void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t *first) {
     first[0] = 0;
     for (int64_t b = 0; b < batch; ++b) first[b + 1] = first[b] + decode_chunks(lens[b]);
@@ -384,6 +464,32 @@ void paged_decode_task(const int64_t *first, int64_t batch, int64_t t, int64_t *
         else hi = mid;
     }
     *b = lo, *chunk = t - first[lo];
+}
+
+/* One chunk's keys (slots, n) attended for every member task (the same keys: paged_decode_share) on the tiles, kv
+ * head by kv head: the members' query rows (q [B, H, D] float32, bfloat16 values) at once, each member's partial
+ * result where its own task would have put it. */
+static void attend_shared(const int64_t *member, int64_t count, const int64_t *first, int64_t batch, int64_t heads,
+                          int64_t kv_heads, int64_t dim, const float *q, const void *k_pool, const void *v_pool,
+                          const int64_t *slots, int64_t n, float scale, float *parts, float *part_lse) {
+    const int64_t group = heads / kv_heads;
+    uint16_t rows[16 * MAX_DIM];
+    float out[16 * MAX_DIM], lse[16];
+    for (int64_t g = 0; g < kv_heads; ++g) {
+        for (int64_t m = 0; m < count; ++m) {
+            int64_t b, c;
+            paged_decode_task(first, batch, member[m], &b, &c);
+            bf16_upper_halves(q + (b * heads + g * group) * dim, group * dim, rows + m * group * dim);
+        }
+        decode_rows_amx(rows, (int)(count * group), k_pool, v_pool, slots, n, kv_heads, dim, g, scale, out, lse, NULL);
+        for (int64_t m = 0; m < count; ++m) {
+            int64_t b, c;
+            paged_decode_task(first, batch, member[m], &b, &c);
+            const int64_t part = decode_part(first, kv_heads, b, g, c);
+            memcpy(parts + part * group * dim, out + m * group * dim, (size_t)(group * dim) * sizeof(float));
+            memcpy(part_lse + part * group, lse + m * group, (size_t)group * sizeof(float));
+        }
+    }
 }
 
 /* q [B, H, D] float32; k_pool, v_pool [num_slots, Hkv, D] (bfloat16 when kv_bf16, else float32);
@@ -409,6 +515,13 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
         return -3;
     }
     float *part_lse = parts + kv_heads * tasks * group * dim;
+    const int tiles = decode_amx_serves(kv_bf16, q_bf16_exact, dim, group);
+    int64_t *share = tiles ? malloc((size_t)(4 * tasks + 1) * sizeof(int64_t)) : NULL; /* start, count, members x 2 */
+    if (tiles && (share == NULL || paged_decode_share(first, lens, slots, max_len, batch, 16 / group, share,
+                                                      share + tasks, share + 2 * tasks) != 0)) {
+        free(share), free(parts), free(first);
+        return -3;
+    }
 #pragma omp parallel num_threads(num_threads)
     {
         /* this thread's tasks, in order, each one's K/V asked for while the one before it is attended */
@@ -416,10 +529,17 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
         const int64_t lo = tasks * me / team, hi = tasks * (me + 1) / team;
         const int64_t row_bytes = kv_heads * dim * (kv_bf16 ? (int64_t)sizeof(uint16_t) : (int64_t)sizeof(float));
         KvPrefetch cursor = {k_pool, v_pool, first, lens, slots, batch, max_len, row_bytes, lo, hi, 0, 0, 0, 0, kv_heads, 0};
+        if (tiles) decode_amx_configure();
         for (int64_t t = lo; t < hi; ++t) {
             int64_t b, c;
             paged_decode_task(first, batch, t, &b, &c);
             const int64_t begin = c * DECODE_CHUNK, n = lens[b] - begin < DECODE_CHUNK ? lens[b] - begin : DECODE_CHUNK;
+            if (tiles && share[tasks + t] != 1) { /* another task's rows attend these keys too: the lead's, at once */
+                if (share[tasks + t] > 1)
+                    attend_shared(share + 2 * tasks + share[t], share[tasks + t], first, batch, heads, kv_heads, dim,
+                                  q, k_pool, v_pool, slots + b * max_len + begin, n, scale, parts, part_lse);
+                continue;
+            }
             kv_prefetch_before(&cursor, t);
             for (int64_t g = 0; g < kv_heads; ++g) {
                 const int64_t part = decode_part(first, kv_heads, b, g, c);
@@ -428,6 +548,7 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
                                   parts + part * group * dim, part_lse + part * group, &cursor);
             }
         }
+        if (tiles) decode_amx_release();
 #pragma omp barrier
 #pragma omp for collapse(2)
         for (int64_t b = 0; b < batch; ++b) {
@@ -438,6 +559,7 @@ int paged_decode_attention(const float *q, const void *k_pool, const void *v_poo
             }
         }
     }
+    free(share);
     free(parts);
     free(first);
     return 0;

@@ -30,6 +30,14 @@ void paged_decode_tasks(const int64_t *lens, int64_t batch, int64_t *first);
 void paged_decode_prefetch(const void *k_pool, const void *v_pool, const int64_t *seq_slots, int64_t n,
                            int64_t row_bytes);
 
+/* Tasks that attend the very same keys (the chunks of a prefix that several sequences share: the same slots), so
+ * that one of them, the lead, attends them for up to per_lead of them at once (decode_rows_amx: each row's
+ * figures as if alone). For each lead t: members[start[t] .. start[t] + count[t]) are the tasks it attends for,
+ * itself among them, in task order; every other task has count 0. Every task is some lead's member. members holds 2 x tasks (the
+ * second half scratch). Returns 0, -3 out of memory. */
+int paged_decode_share(const int64_t *first, const int64_t *lens, const int64_t *ctx_slots, int64_t max_len,
+                       int64_t batch, int64_t per_lead, int64_t *start, int64_t *count, int64_t *members);
+
 /* The (sequence, chunk) of task t: a binary search in first. */
 void paged_decode_task(const int64_t *first, int64_t batch, int64_t t, int64_t *b, int64_t *chunk);
 
@@ -98,6 +106,16 @@ static inline void kv_prefetch_before(KvPrefetch *kv, int64_t t) {
 void paged_decode_head(const float *q, const void *k_pool, const void *v_pool, int kv_bf16, int q_bf16_exact,
                        const int64_t *seq_slots, int64_t len, int64_t kv_heads, int64_t dim, int64_t g, int64_t group,
                        float scale, float *out, float *lse, KvPrefetch *kv);
+
+/* Decode attention on the AMX tile unit (prefill_attention_amx.c): whether it serves a shape in this process;
+ * the tile configuration it needs, loaded on the calling thread (before a thread's first chunk, and again
+ * after other tile work); ``rows`` query rows of one kv head over one chunk's keys (n <= DECODE_CHUNK). */
+int decode_amx_serves(int kv_bf16, int q_bf16, int64_t dim, int64_t group);
+void decode_amx_configure(void);
+void decode_amx_release(void);
+void decode_rows_amx(const uint16_t *q, int rows, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots,
+                     int64_t n, int64_t kv_heads, int64_t dim, int64_t g, float scale, float *out, float *lse,
+                     KvPrefetch *kv);
 
 /* Where the partial result of (sequence b, kv head g, chunk c) goes among a step's kv_heads *
  * first[batch]: a (sequence, kv head)'s chunks side by side, in order, as paged_decode_merge

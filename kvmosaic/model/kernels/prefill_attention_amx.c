@@ -1,4 +1,7 @@
-/* Causal prefill attention over the paged pool in bfloat16 on AMX tiles: prefill_attention.c's contract and
+/* Attention on AMX tiles in bfloat16: causal prefill attention over the paged pool, and (at the end of this file)
+ * decode attention over one chunk of a context for the rows that attend it (decode_rows_amx).
+ *
+ * Prefill: prefill_attention.c's contract and
  * packed layouts (prefill_softmax.h), with the two products on the tile unit instead of VDPBF16PS. On an AMX
  * Xeon the vector kernel ran at a fifth of the bfloat16 GEMM rate; the tiles do a 16 x 16 x 32 product in one
  * instruction (docs/ARCHITECTURE.md, "Prefill attention").
@@ -21,6 +24,7 @@
 #include <omp.h>
 #include <stdlib.h>
 
+#include "paged_decode.h"
 #include "prefill_softmax.h"
 
 #include "amx.h"
@@ -163,6 +167,168 @@ static void tile_amx(const uint16_t *q, const int64_t *last, int nr, const uint1
     }
 }
 #endif
+
+#if defined(KVMOSAIC_AMX)
+/* Decode attention on the tile unit. A chunk (n <= DECODE_CHUNK keys) is short enough for its whole softmax at once:
+ * no online rescaling. The scores are computed transposed, S^T = K.Q^T, so that K's rows are the A tiles, read in
+ * place from the pool (16 keys of a block lie in consecutive slots; others are copied), and the queries, packed
+ * once, are the B tiles; each key's scores are then one vector (a lane per query row), and each row's maximum,
+ * exponentials and sum run down the lanes with no horizontal step. The probabilities are rounded to bfloat16 (as
+ * the prefill kernel rounds them), turned into rows (a 16 x 16 transpose of key pairs per 32 keys) and P.V is summed
+ * in four C tiles over the chunk, stored once. Every figure of a query row comes from its own query and the chunk. */
+#define DECODE_PAD DECODE_CHUNK
+
+/* The B tiles of up to 16 query rows (bfloat16, row stride dim; rows past ``rows`` zero): per 32 dims, [16 pairs]
+ * [16 rows] of 32-bit pairs. */
+static inline void decode_pack_queries(const uint16_t *q, int rows, int64_t dim, uint32_t *qt) {
+    for (int64_t c = 0; c < dim / 32; ++c) {
+        __m512i r[16];
+        for (int i = 0; i < 16; ++i) r[i] = i < rows ? _mm512_loadu_si512(q + i * dim + 32 * c) : _mm512_setzero_si512();
+        transpose_16x16_epi32(r);
+        for (int p = 0; p < 16; ++p) _mm512_store_si512(qt + (c * 16 + p) * 16, r[p]);
+    }
+}
+
+/* Where 16 keys' rows of head g are read as an A tile: in place when the keys lie in consecutive slots (stride: a slot
+ * row), else copied to ``copy`` (stride dim), keys past n as zeros. */
+static inline const uint16_t *decode_key_rows(const uint16_t *k_pool, const int64_t *slots, int64_t j0, int64_t n,
+                                              int64_t kv_heads, int64_t g, int64_t dim, uint16_t *copy, int64_t *stride) {
+    int consecutive = j0 + 16 <= n;
+    for (int i = 1; i < 16 && consecutive; ++i) consecutive = slots[j0 + i] == slots[j0] + i;
+    if (consecutive) {
+        *stride = kv_heads * dim * 2;
+        return k_pool + (slots[j0] * kv_heads + g) * dim;
+    }
+    for (int i = 0; i < 16; ++i)
+        for (int64_t d = 0; d < dim; d += 32)
+            _mm512_store_si512(copy + i * dim + d, j0 + i < n ? _mm512_loadu_si512(k_pool + (slots[j0 + i] * kv_heads + g) * dim + d)
+                                                               : _mm512_setzero_si512());
+    *stride = dim * 2;
+    return copy;
+}
+
+/* Up to 16 query rows of one kv head over a chunk of n keys (K in the pool at slots, V packed by pack_v in vt):
+ * out [rows, dim] float32 and lse [rows]. */
+static void decode_block_amx(const uint16_t *q, int rows, const uint16_t *k_pool, const int64_t *slots, int64_t n,
+                             int64_t kv_heads, int64_t g, const uint16_t *vt, int64_t dim, float scale, float *out,
+                             float *lse, KvPrefetch *kv) {
+    uint32_t qt[16 * 16 * (AMX_DIM / 32)] __attribute__((aligned(64)));
+    float st[DECODE_PAD * 16] __attribute__((aligned(64)));            /* S^T: key j's 16 rows at st + 16 j */
+    uint32_t pt[DECODE_PAD / 32 * 256] __attribute__((aligned(64)));   /* P: per 32 keys, [16 rows][16 key pairs] */
+    uint16_t copies[4][16 * AMX_DIM] __attribute__((aligned(64)));
+    float acc[16 * AMX_DIM] __attribute__((aligned(64)));
+    const int64_t n_pad = (n + 31) / 32 * 32, chunks = dim / 32;
+    decode_pack_queries(q, rows, dim, qt);
+    for (int64_t k0 = 0; k0 < n_pad; k0 += 64) { /* C tiles 0-3: 16 keys each, a key per tile row */
+        const int blocks = n_pad - k0 >= 64 ? 4 : 2;
+        const uint16_t *a[4];
+        int64_t stride[4];
+        for (int b = 0; b < blocks; ++b)
+            a[b] = decode_key_rows(k_pool, slots, k0 + 16 * b, n, kv_heads, g, dim, copies[b], &stride[b]);
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3); /* tile numbers are literals in the instructions */
+        for (int64_t c = 0; c < chunks; ++c) {
+            _tile_loadd(6, qt + c * 256, 64);
+            _tile_loadd(4, a[0] + 32 * c, stride[0]); _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(5, a[1] + 32 * c, stride[1]); _tile_dpbf16ps(1, 5, 6);
+            if (blocks == 4) {
+                _tile_loadd(4, a[2] + 32 * c, stride[2]); _tile_dpbf16ps(2, 4, 6);
+                _tile_loadd(5, a[3] + 32 * c, stride[3]); _tile_dpbf16ps(3, 5, 6);
+            }
+        }
+        float *s = st + k0 * 16;
+        _tile_stored(0, s, 64); _tile_stored(1, s + 256, 64);
+        if (blocks == 4) { _tile_stored(2, s + 512, 64); _tile_stored(3, s + 768, 64); }
+    }
+    /* each lane a row: its maximum (of score * unit, base 2), then exponentials and their sum; 0 past n */
+    const __m512 unit = _mm512_set1_ps(scale * EXP_LOG2E);
+    __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+    for (int64_t j = 0; j < n; ++j) top = _mm512_max_ps(top, _mm512_load_ps(st + 16 * j));
+    top = _mm512_mul_ps(top, unit);
+    /* lanes 2i and 2i + 1 of a pair's vector: row i's probabilities of its two keys */
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                           23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int64_t j0 = 0; j0 < n_pad; j0 += 32) {
+        __m512i w[16];
+        for (int kp = 0; kp < 16; ++kp) {
+            __m512 p[2];
+            for (int h = 0; h < 2; ++h) {
+                const int64_t j = j0 + 2 * kp + h;
+                kv_prefetch_key(kv); /* the coming tasks' K and V, a row every kv heads keys, as the vector kernel asks */
+                p[h] = j < n ? exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(st + 16 * j), unit, top)) : _mm512_setzero_ps();
+                total = _mm512_add_ps(total, p[h]);
+            }
+            w[kp] = _mm512_permutexvar_epi16(pairs, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));
+        }
+        transpose_16x16_epi32(w); /* w[r]: row r's 16 key pairs */
+        for (int r = 0; r < 16; ++r) _mm512_store_si512(pt + (j0 / 32) * 256 + r * 16, w[r]);
+    }
+    const int64_t vstride = dim * 4; /* bytes: one key pair's D pairs of bfloat16, one accumulator row */
+    for (int64_t d0 = 0; d0 < dim; d0 += 64) { /* C tiles 0-3: 16 dims each */
+        _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+        for (int64_t j0 = 0; j0 < n_pad; j0 += 32) {
+            const uint16_t *vc = vt + j0 * dim + d0 * 2;
+            _tile_loadd(4, pt + (j0 / 32) * 256, 64);
+            _tile_loadd(6, vc, vstride); _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, vc + 32, vstride); _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(6, vc + 64, vstride); _tile_dpbf16ps(2, 4, 6);
+            _tile_loadd(7, vc + 96, vstride); _tile_dpbf16ps(3, 4, 7);
+        }
+        _tile_stored(0, acc + d0, dim * 4); _tile_stored(1, acc + d0 + 16, dim * 4);
+        _tile_stored(2, acc + d0 + 32, dim * 4); _tile_stored(3, acc + d0 + 48, dim * 4);
+    }
+    float tops[16], sums[16];
+    _mm512_storeu_ps(tops, top), _mm512_storeu_ps(sums, total);
+    for (int r = 0; r < rows; ++r) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sums[r]);
+        for (int64_t c = 0; c < dim; c += 16) _mm512_storeu_ps(out + r * dim + c, _mm512_mul_ps(_mm512_load_ps(acc + r * dim + c), inv));
+        lse[r] = tops[r] * (float)M_LN2 + logf(sums[r]);
+    }
+}
+
+#endif
+
+/* Decode attention of ``rows`` bfloat16 query rows q (row stride dim) over the n (<= DECODE_CHUNK) keys of kv head g
+ * at slots, every row seeing every key: out [rows, dim] float32 and lse [rows], paged_decode_head's contract. The
+ * chunk's V packed once, then 16 rows at a time (decode_block_amx). Tiles as decode_amx_configure loads them. */
+void decode_rows_amx(const uint16_t *q, int rows, const uint16_t *k_pool, const uint16_t *v_pool, const int64_t *slots,
+                     int64_t n, int64_t kv_heads, int64_t dim, int64_t g, float scale, float *out, float *lse,
+                     KvPrefetch *kv) {
+#if defined(KVMOSAIC_AMX)
+    uint16_t vt[DECODE_CHUNK * AMX_DIM] __attribute__((aligned(64)));
+    pack_v(v_pool, slots, n, (n + 31) / 32 * 32, kv_heads, g, dim, vt);
+    for (int r0 = 0; r0 < rows; r0 += 16)
+        decode_block_amx(q + r0 * dim, rows - r0 < 16 ? rows - r0 : 16, k_pool, slots, n, kv_heads, g, vt, dim, scale,
+                         out + r0 * dim, lse + r0, r0 == 0 ? kv : NULL);
+#else /* never called: decode_amx_serves is 0 */
+    (void)q, (void)rows, (void)k_pool, (void)v_pool, (void)slots, (void)n, (void)kv_heads, (void)dim, (void)g, (void)scale;
+    (void)out, (void)lse, (void)kv;
+#endif
+}
+
+/* The tile configuration decode_rows_amx computes in, loaded on the calling thread; and the thread's tile state
+ * let go. Nothing without AMX (decode_amx_serves is 0 there). */
+void decode_amx_configure(void) {
+#if defined(KVMOSAIC_AMX)
+    configure_tiles();
+#endif
+}
+
+void decode_amx_release(void) {
+#if defined(KVMOSAIC_AMX)
+    _tile_release();
+#endif
+}
+
+/* 1 where decode attention of this shape runs on AMX tiles in this process (decode_rows_amx): a bfloat16 pool
+ * and bfloat16 queries, head dim 64 or 128. */
+int decode_amx_serves(int kv_bf16, int q_bf16, int64_t dim, int64_t group) {
+#if defined(KVMOSAIC_AMX)
+    return kv_bf16 && q_bf16 && (dim == 64 || dim == 128) && group <= MAX_GROUP && amx_permitted();
+#else
+    (void)kv_bf16, (void)q_bf16, (void)dim, (void)group;
+    return 0;
+#endif
+}
 
 /* 1 where bfloat16 prefill attention runs on AMX tiles in this process (built with AMX, granted by the OS). */
 int prefill_attention_amx_ready(void) {
