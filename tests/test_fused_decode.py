@@ -128,8 +128,11 @@ def test_fused_greedy_matches_layer_by_layer_and_is_as_close_to_float32(dtype, m
     assert max(fused) <= 1.25 * max(layer) + floor
 
 
-@pytest.mark.parametrize("dtype, quantization", [("bfloat16", None), ("float32", None), ("float32", "gguf")])
-def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, monkeypatch):
+@pytest.mark.parametrize("dtype, quantization, shared", [("bfloat16", None, False), ("float32", None, False),
+                                                         ("float32", "gguf", False), ("bfloat16", None, True)])
+def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, shared, monkeypatch):
+    """``shared``: the rows' contexts share a cached prefix of over two 128-key chunks, which the step attends
+    once for all of them where it runs on AMX tiles (paged_decode_share): each row's bits as alone all the same."""
     llm = _fused_llm(dtype, num_kv_blocks=128, quantization=quantization)
     checked = []
 
@@ -155,6 +158,10 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, 
 
     _around_fused_steps(llm.engine.model, monkeypatch, check_rows)
     prompts = _prompts(llm.tokenizer)
+    if shared:
+        head = llm.tokenizer.encode("You are a careful assistant for a tile shop. " * 30, add_special_tokens=False)
+        assert len(head) > 2 * 128
+        prompts = [head + p for p in prompts]
     llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in (6, 9, 12)])
     assert checked and max(checked) == 3
 

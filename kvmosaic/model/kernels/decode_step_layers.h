@@ -107,13 +107,12 @@ static void NAME(gate_up_silu)(Weight weight, int layout, int64_t in, int64_t in
 
 #if IS_BF16
 /* The keys (slots, n) of a chunk that several rows' contexts share, attended for each member task (paged_decode_share)
- * at once on the tiles, kv head by kv head: each member's group of q heads rotated as its own task rotates them, its
- * partial result where its own task would put it; each row's figures as if attended alone (decode_rows_amx). */
+ * at once on the tiles, kv head by kv head (paged_decode_shared_head): each member's group of q heads rotated as its
+ * own task rotates them. */
 static void NAME(attention_shared)(const AttentionStep *a, const int64_t *member, int64_t count, const ELEM *wide,
                                    const ELEM *k_pool, const ELEM *v_pool, const int64_t *slots, int64_t n) {
     const int64_t dim = a->dim, group = a->group;
     ELEM rows[16 * MAX_DIM];
-    float out[16 * MAX_DIM], lse[16];
     for (int64_t g = 0; g < a->kv_heads; ++g) {
         for (int64_t m = 0; m < count; ++m) {
             int64_t b, c;
@@ -121,14 +120,8 @@ static void NAME(attention_shared)(const AttentionStep *a, const int64_t *member
             memcpy(rows + m * group * dim, wide + b * a->qkv_width + g * group * dim, (size_t)(group * dim) * sizeof(ELEM));
             rope_row(rows + m * group * dim, a->cos + b * dim, a->signed_sin + b * dim, group, dim, IS_BF16);
         }
-        decode_rows_amx(rows, (int)(count * group), k_pool, v_pool, slots, n, a->kv_heads, dim, g, a->scale, out, lse, NULL);
-        for (int64_t m = 0; m < count; ++m) {
-            int64_t b, c;
-            paged_decode_task(a->first, a->batch, member[m], &b, &c);
-            const int64_t part = decode_part(a->first, a->kv_heads, b, g, c);
-            memcpy(a->parts + part * group * dim, out + m * group * dim, (size_t)(group * dim) * sizeof(float));
-            memcpy(a->part_lse + part * group, lse + m * group, (size_t)group * sizeof(float));
-        }
+        paged_decode_shared_head(rows, member, count, a->first, a->batch, a->kv_heads, g, group, dim, k_pool, v_pool,
+                                 slots, n, a->scale, a->parts, a->part_lse);
     }
 }
 #endif

@@ -466,29 +466,35 @@ void paged_decode_task(const int64_t *first, int64_t batch, int64_t t, int64_t *
     *b = lo, *chunk = t - first[lo];
 }
 
-/* One chunk's keys (slots, n) attended for every member task (the same keys: paged_decode_share) on the tiles, kv
- * head by kv head: the members' query rows (q [B, H, D] float32, bfloat16 values) at once, each member's partial
- * result where its own task would have put it. */
+void paged_decode_shared_head(const uint16_t *rows, const int64_t *member, int64_t count, const int64_t *first,
+                              int64_t batch, int64_t kv_heads, int64_t g, int64_t group, int64_t dim, const void *k_pool,
+                              const void *v_pool, const int64_t *slots, int64_t n, float scale, float *parts,
+                              float *part_lse) {
+    float out[16 * MAX_DIM], lse[16];
+    decode_rows_amx(rows, (int)(count * group), k_pool, v_pool, slots, n, kv_heads, dim, g, scale, out, lse, NULL);
+    for (int64_t m = 0; m < count; ++m) {
+        int64_t b, c;
+        paged_decode_task(first, batch, member[m], &b, &c);
+        const int64_t part = decode_part(first, kv_heads, b, g, c);
+        memcpy(parts + part * group * dim, out + m * group * dim, (size_t)(group * dim) * sizeof(float));
+        memcpy(part_lse + part * group, lse + m * group, (size_t)group * sizeof(float));
+    }
+}
+
+/* paged_decode_shared_head for every kv head, the members' query rows from q [B, H, D] float32 (bfloat16 values). */
 static void attend_shared(const int64_t *member, int64_t count, const int64_t *first, int64_t batch, int64_t heads,
                           int64_t kv_heads, int64_t dim, const float *q, const void *k_pool, const void *v_pool,
                           const int64_t *slots, int64_t n, float scale, float *parts, float *part_lse) {
     const int64_t group = heads / kv_heads;
     uint16_t rows[16 * MAX_DIM];
-    float out[16 * MAX_DIM], lse[16];
     for (int64_t g = 0; g < kv_heads; ++g) {
         for (int64_t m = 0; m < count; ++m) {
             int64_t b, c;
             paged_decode_task(first, batch, member[m], &b, &c);
             bf16_upper_halves(q + (b * heads + g * group) * dim, group * dim, rows + m * group * dim);
         }
-        decode_rows_amx(rows, (int)(count * group), k_pool, v_pool, slots, n, kv_heads, dim, g, scale, out, lse, NULL);
-        for (int64_t m = 0; m < count; ++m) {
-            int64_t b, c;
-            paged_decode_task(first, batch, member[m], &b, &c);
-            const int64_t part = decode_part(first, kv_heads, b, g, c);
-            memcpy(parts + part * group * dim, out + m * group * dim, (size_t)(group * dim) * sizeof(float));
-            memcpy(part_lse + part * group, lse + m * group, (size_t)group * sizeof(float));
-        }
+        paged_decode_shared_head(rows, member, count, first, batch, kv_heads, g, group, dim, k_pool, v_pool, slots, n,
+                                 scale, parts, part_lse);
     }
 }
 

@@ -38,6 +38,14 @@ void paged_decode_prefetch(const void *k_pool, const void *v_pool, const int64_t
 int paged_decode_share(const int64_t *first, const int64_t *lens, const int64_t *ctx_slots, int64_t max_len,
                        int64_t batch, int64_t per_lead, int64_t *start, int64_t *count, int64_t *members);
 
+/* A shared chunk's keys (slots, n) attended on the tiles for kv head g of every member task of a lead (count of
+ * them, paged_decode_share), their groups of q heads at rows (bfloat16, [count][group][dim]) at once: each member's
+ * partial result where its own task would have put it (decode_part), its bits as if attended alone. */
+void paged_decode_shared_head(const uint16_t *rows, const int64_t *member, int64_t count, const int64_t *first,
+                              int64_t batch, int64_t kv_heads, int64_t g, int64_t group, int64_t dim, const void *k_pool,
+                              const void *v_pool, const int64_t *slots, int64_t n, float scale, float *parts,
+                              float *part_lse);
+
 /* The (sequence, chunk) of task t: a binary search in first. */
 void paged_decode_task(const int64_t *first, int64_t batch, int64_t t, int64_t *b, int64_t *chunk);
 
