@@ -250,7 +250,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
             keys += kv_first.keys;
         }
         const int64_t most = kv_ahead / (2 * kv_first.row_bytes), my_tiles = tiles_hi - tiles_lo;
-        const int attention_tiles = decode_amx_serves(IS_BF16, IS_BF16, dim, group); /* paged_decode_head's choice */
+        const int attention_tiles = share != NULL; /* paged_decode_head's choice: decode_amx_serves */
 #if IS_BF16 && defined(KVMOSAIC_AMX)
         if (layout == LAYOUT_AMX) amx_configure_step(batch);
 #endif

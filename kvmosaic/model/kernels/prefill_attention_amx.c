@@ -176,8 +176,6 @@ static void tile_amx(const uint16_t *q, const int64_t *last, int nr, const uint1
  * exponentials and sum run down the lanes with no horizontal step. The probabilities are rounded to bfloat16 (as
  * the prefill kernel rounds them), turned into rows (a 16 x 16 transpose of key pairs per 32 keys) and P.V is summed
  * in four C tiles over the chunk, stored once. Every figure of a query row comes from its own query and the chunk. */
-#define DECODE_PAD DECODE_CHUNK
-
 /* The B tiles of up to 16 query rows (bfloat16, row stride dim; rows past ``rows`` zero): per 32 dims, [16 pairs]
  * [16 rows] of 32-bit pairs. */
 static inline void decode_pack_queries(const uint16_t *q, int rows, int64_t dim, uint32_t *qt) {
@@ -213,8 +211,8 @@ static void decode_block_amx(const uint16_t *q, int rows, const uint16_t *k_pool
                              int64_t kv_heads, int64_t g, const uint16_t *vt, int64_t dim, float scale, float *out,
                              float *lse, KvPrefetch *kv) {
     uint32_t qt[16 * 16 * (AMX_DIM / 32)] __attribute__((aligned(64)));
-    float st[DECODE_PAD * 16] __attribute__((aligned(64)));            /* S^T: key j's 16 rows at st + 16 j */
-    uint32_t pt[DECODE_PAD / 32 * 256] __attribute__((aligned(64)));   /* P: per 32 keys, [16 rows][16 key pairs] */
+    float st[DECODE_CHUNK * 16] __attribute__((aligned(64)));            /* S^T: key j's 16 rows at st + 16 j */
+    uint32_t pt[DECODE_CHUNK / 32 * 256] __attribute__((aligned(64)));   /* P: per 32 keys, [16 rows][16 key pairs] */
     uint16_t copies[4][16 * AMX_DIM] __attribute__((aligned(64)));
     float acc[16 * AMX_DIM] __attribute__((aligned(64)));
     const int64_t n_pad = (n + 31) / 32 * 32, chunks = dim / 32;

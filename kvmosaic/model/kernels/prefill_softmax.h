@@ -164,8 +164,6 @@ static void pack_k(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
         for (int i = 0; i < 16; ++i)
             rows[i] = j0 + i < ctx ? (const uint32_t *)(pool + (slots[j0 + i] * kv_heads + g) * dim) : NULL;
         uint32_t *tile = (uint32_t *)(kt + j0 * dim);
-        for (int i = 0; i < 16 && j0 + 16 + i < ctx; ++i) /* the next 16 rows, while these are transposed */
-            for (int64_t d = 0; d < dim; d += 32) _mm_prefetch((const char *)(pool + (slots[j0 + 16 + i] * kv_heads + g) * dim + d), _MM_HINT_T0);
         for (int64_t p0 = 0; p0 < pairs; p0 += 16) {
             __m512i r[16];
             for (int i = 0; i < 16; ++i) r[i] = rows[i] != NULL ? _mm512_loadu_si512(rows[i] + p0) : _mm512_setzero_si512();
@@ -184,8 +182,6 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
     const __m512i first = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(0x10001)), _mm512_set1_epi32(32 << 16));
     const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(16 * 0x10001));
     for (int64_t j = 0; j < ctx_pad; j += 2) {
-        for (int64_t i = j + 16; i < j + 18 && i < ctx; ++i) /* 16 keys ahead */
-            for (int64_t d = 0; d < dim; d += 32) _mm_prefetch((const char *)(pool + (slots[i] * kv_heads + g) * dim + d), _MM_HINT_T0);
         const uint16_t *ra = j < ctx ? pool + (slots[j] * kv_heads + g) * dim : NULL;
         const uint16_t *rb = j + 1 < ctx ? pool + (slots[j + 1] * kv_heads + g) * dim : NULL;
         uint16_t *pair = vt + j * dim;
