@@ -95,6 +95,24 @@ def test_the_gate_up_silu_product_is_the_tile_gemm_then_silu_mul(monkeypatch):
             assert torch.equal(layer.mlp(x), want)
 
 
+@on_tiles
+def test_the_down_projection_reads_the_silu_products_rows_where_they_lie():
+    """``silu_product``'s rows lie a cache line further apart than their width where the width is a multiple of
+    four lines (this model's 1,536 bfloat16: ``decode_tiles.row_stride``), so that a tile load's 16 rows fall in
+    16 L1 sets; the down projection reads them in place, the same bits as from a dense copy, at any count (a
+    last group of fewer than 32 rows and the step's few-row product too), and oneDNN's product reads them too."""
+    layer = make_llm(dtype="bfloat16").engine.runner.model.layers[1]
+    gate_up, down = layer.gate_up_proj, layer.down_proj
+    assert decode_tiles.row_stride(1536, 2) == 1568 and decode_tiles.row_stride(960, 2) == 960
+    for rows in (1, 17, 33, 100, 745):
+        act = gate_up.silu_product(torch.randn(rows, gate_up.in_features).bfloat16())
+        assert act.shape == (rows, down.in_features)
+        assert rows == 1 or act.stride(0) == decode_tiles.row_stride(down.in_features, 2)
+        dense = act.contiguous()
+        assert torch.equal(down.tile_product(act), down.tile_product(dense)), rows
+        assert torch.equal(down.onednn_product(act), down.onednn_product(dense)), rows
+
+
 def test_onednn_spans_past_256_rows_meet_a_few_dozen_counts():
     """oneDNN builds its kernel per row count: spans past PAD_PAST rows are padded to at most ~6% more
     rows, a few dozen counts up to a step's 8,192 tokens; shorter spans as they are."""

@@ -304,9 +304,9 @@ static void amx_configure_step(int64_t batch) {
     amx_configure(rows);
 }
 
-/* Tiles C (rows 0-15) and C2 (rows 16-31, where two) += the rows of x ([rows, in]) . the nk B tiles at b; the
- * tile numbers are literals (the instructions name their registers). */
-#define AMX_DOTS(C, C2, b, x)                                                                                                 \
+/* Tiles C (rows 0-15) and C2 (rows 16-31, where two) += the rows of x ([rows, in], row stride ld) . the nk B tiles
+ * at b; the tile numbers are literals (the instructions name their registers). */
+#define AMX_DOTS(C, C2, b, x, ld)                                                                                               \
     for (int64_t kb = 0; kb < nk; ++kb) {                                                                              \
         const char *ahead = (const char *)((b) + (kb + AMX_AHEAD) * AMX_BLOCK);                                        \
         if (two)                                                                                                       \
@@ -314,10 +314,10 @@ static void amx_configure_step(int64_t batch) {
         else                                                                                                           \
             for (int line = 0; line < AMX_BLOCK * 2; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);             \
         _tile_loadd(6, (b) + kb * AMX_BLOCK, 64);                                                                      \
-        _tile_loadd(4, (x) + kb * 32, in * 2);                                                                         \
+        _tile_loadd(4, (x) + kb * 32, (ld) * 2);                                                                       \
         _tile_dpbf16ps(C, 4, 6);                                                                                       \
         if (two) {                                                                                                     \
-            _tile_loadd(5, (x) + 16 * in + kb * 32, in * 2);                                                           \
+            _tile_loadd(5, (x) + 16 * (ld) + kb * 32, (ld) * 2);                                                       \
             _tile_dpbf16ps(C2, 5, 6);                                                                                  \
         }                                                                                                              \
     }
@@ -332,8 +332,8 @@ static void amx_configure_step(int64_t batch) {
  * barrier); kv: K/V rows asked for as the blocks go, as project_rows asks per tile of CHANNELS. Past
  * AMX_MAX_BATCH rows x holds amx_groups(batch) * 32 rows (tiles configured by amx_configure_step), each
  * block's B tiles read from memory once for them all, and only the first batch rows are written. */
-static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t batch, uint16_t *y,
-                        float *yf, KvPrefetch *kv) {
+static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t x_stride, int64_t batch,
+                        uint16_t *y, float *yf, KvPrefetch *kv) {
     const int64_t nk = in / 32, groups = amx_groups(batch);
     float sums[AMX_MAX_BATCH][16] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
@@ -345,7 +345,7 @@ static void project_amx(const uint16_t *w, int64_t in, int64_t out, const uint16
             const int two = groups > 1 || batch > 16;
             _tile_zero(0);
             if (two) _tile_zero(2);
-            AMX_DOTS(0, 2, b, x + r0 * in)
+            AMX_DOTS(0, 2, b, x + r0 * x_stride, x_stride)
             AMX_STORE(0, 2, sums)
             for (int64_t r = 0; r < rows; ++r) {
                 const __m512 f = _mm512_load_ps(sums[r]);
@@ -383,8 +383,8 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
                 _tile_zero(2);
                 _tile_zero(3);
             }
-            AMX_DOTS(0, 2, g, x + r0 * in)
-            AMX_DOTS(1, 3, u, x + r0 * in)
+            AMX_DOTS(0, 2, g, x + r0 * in, in)
+            AMX_DOTS(1, 3, u, x + r0 * in, in)
             AMX_STORE(0, 2, gate)
             AMX_STORE(1, 3, up)
             for (int64_t r = 0; r < rows; ++r)
@@ -456,11 +456,17 @@ static inline __attribute__((always_inline)) void finish_rows(Pending *p, int64_
     }
 }
 
-/* One block: C tiles 0-3 = 32 rows at a (row stride in; rows 16-31 only where rows > 16) times the B tiles of one
+/* One block: C tiles 0-3 = 32 rows at a (row stride lda; rows 16-31 only where rows > 16) times the B tiles of one
  * or two blocks of 16 channels (b1 NULL: one; tiles 1 and 3 for b1), each zeroed and summed over the input in
  * project_amx's order (kb = 0, 1, ...), so a row's bits are project_amx's at any number of rows; meanwhile the
- * pending block is finished; then this block's sums are pending, its outputs at y (row stride ``stride``). */
-static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, int64_t in, const uint16_t *b0,
+ * pending block is finished; then this block's sums are pending, its outputs at y (row stride ``stride``).
+ * Each input step loads its four tiles before its four products (the tile registers are not renamed: a load
+ * waits for the products reading its register, and loads issued first overlap the products before them), and
+ * the A tiles, which stream from L2 through the pass, with the non-temporal hint (TILELOADDT1), so that L1 keeps
+ * the block's B tiles for the pass's other groups: on one core of the AMX Xeon a loop over 24 groups of 32 rows
+ * went from ~2,000 to ~3,100 GFLOP/s of the ~3,700 the products alone reach, the model's four projections at 745
+ * rows over 30 layers 57 to 49 ms on two cores (BENCHMARKS.md, issue 26, sixteenth session). */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, int64_t in, int64_t lda, const uint16_t *b0,
                                                             const uint16_t *b1, int64_t rows, uint16_t *y,
                                                             int64_t stride, Pending *p, BAhead *ahead, const int silu) {
     const int64_t nk = in / 32, per_step = (32 + nk - 1) / nk;
@@ -470,18 +476,14 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
     if (b1 != NULL) _tile_zero(1);
     if (b1 != NULL && two) _tile_zero(3);
     for (int64_t kb = 0; kb < nk; ++kb) {
-        _tile_loadd(4, a + kb * 32, in * 2);
+        _tile_stream_loadd(4, a + kb * 32, lda * 2);
         _tile_loadd(6, b0 + kb * AMX_BLOCK, 64);
+        if (b1 != NULL) _tile_loadd(7, b1 + kb * AMX_BLOCK, 64);
+        if (two) _tile_stream_loadd(5, a + 16 * lda + kb * 32, lda * 2);
         _tile_dpbf16ps(0, 4, 6);
-        if (two) {
-            _tile_loadd(5, a + 16 * in + kb * 32, in * 2);
-            _tile_dpbf16ps(2, 5, 6);
-        }
-        if (b1 != NULL) {
-            _tile_loadd(7, b1 + kb * AMX_BLOCK, 64);
-            _tile_dpbf16ps(1, 4, 7);
-            if (two) _tile_dpbf16ps(3, 5, 7);
-        }
+        if (b1 != NULL) _tile_dpbf16ps(1, 4, 7);
+        if (two) _tile_dpbf16ps(2, 5, 6);
+        if (b1 != NULL && two) _tile_dpbf16ps(3, 5, 7);
         finish_rows(p, (kb + 1) * per_step, silu);
         b_ahead(ahead);
     }
@@ -500,8 +502,8 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
  * an output block 32 channels (two blocks of B tiles; 16 for an odd last one). silu: y [batch, out] = silu(gate) *
  * up, gate and up the two halves of x @ w^T (w [2 * out, in]: the gate's blocks, then the up's), an output block 16
  * channels from a block of gate channels and the same block of up channels. */
-static void gemm_amx_blocks(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, const uint16_t *tail,
-                            int64_t batch, uint16_t *y, const int silu) {
+static void gemm_amx_blocks(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t x_stride,
+                            const uint16_t *tail, int64_t batch, uint16_t *y, int64_t y_stride, const int silu) {
     const int64_t nk = in / 32, blocks = out / 16, groups = (batch + 31) / 32, width = silu ? 1 : 2;
     const int64_t pass = amx_pass_groups(in), block_bytes = nk * AMX_BLOCK * 2;
     int64_t lo, hi;
@@ -523,8 +525,8 @@ static void gemm_amx_blocks(const uint16_t *w, int64_t in, int64_t out, const ui
             }
             for (int64_t g = g0; g < g1; ++g) {
                 const int64_t r0 = 32 * g, rows = batch - r0 < 32 ? batch - r0 : 32;
-                amx_block(rows < 32 ? tail : x + r0 * in, in, b0, b1, rows, y + r0 * out + cb * 16, out, &pending,
-                          &ahead, silu);
+                amx_block(rows < 32 ? tail : x + r0 * x_stride, in, rows < 32 ? in : x_stride, b0, b1, rows,
+                          y + r0 * y_stride + cb * 16, y_stride, &pending, &ahead, silu);
             }
         }
     }
@@ -643,29 +645,32 @@ int decode_tile_shape(int bf16, int64_t *shape) {
 }
 
 #if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
-/* A new 32-row buffer (free it) holding x's last batch % 32 rows, zeros after them: gemm_amx_blocks' last group. */
-static uint16_t *last_rows_padded(const void *x, int64_t in, int64_t batch) {
+/* A new 32-row buffer (free it, row stride in) holding x's last batch % 32 rows (row stride x_stride), zeros after
+ * them: gemm_amx_blocks' last group. */
+static uint16_t *last_rows_padded(const void *x, int64_t in, int64_t x_stride, int64_t batch) {
     uint16_t *tail = aligned_alloc(64, (size_t)(32 * in) * sizeof(uint16_t));
     if (tail == NULL) return NULL;
     memset(tail, 0, (size_t)(32 * in) * sizeof(uint16_t));
-    memcpy(tail, (const uint16_t *)x + batch / 32 * 32 * in, (size_t)(batch % 32 * in) * sizeof(uint16_t));
+    for (int64_t r = 0; r < batch % 32; ++r)
+        memcpy(tail + r * in, (const uint16_t *)x + (batch / 32 * 32 + r) * x_stride, (size_t)in * sizeof(uint16_t));
     return tail;
 }
 
 #endif
 
-/* y [batch, out] = x [batch, in] @ w^T in bfloat16, w [out, in] in the tile unit's B tiles (LAYOUT_AMX), each row
- * on its own as in the fused step (its LM head: model/decode_tiles.py's AmxLinear); any batch (past AMX_MAX_BATCH
- * rows, gemm_amx_blocks). Returns 0, -1 for
- * shapes it does not serve, -2 without the tile unit, -3 out of memory. */
-int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t batch, void *y, int num_threads) {
+/* y [batch, out] = x [batch, in] @ w^T in bfloat16 (x's rows x_stride elements apart, y's out), w [out, in] in the tile
+ * unit's B tiles (LAYOUT_AMX), each row on its own as in the fused step (its LM head: model/decode_tiles.py's
+ * AmxLinear); any batch (past AMX_MAX_BATCH rows, gemm_amx_blocks). Returns 0, -1 for shapes it does not serve, -2
+ * without the tile unit, -3 out of memory. */
+int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t x_stride, int64_t batch, void *y,
+               int num_threads) {
 #if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
-    if (in % 32 || out % 16 || batch < 0) return -1;
+    if (in % 32 || out % 16 || batch < 0 || x_stride < in) return -1;
     if (!amx_permitted()) return -2;
     if (batch == 0) return 0;
     uint16_t *tail = NULL;
     if (batch > AMX_MAX_BATCH && batch % 32) { /* the last group of rows, after zeros, computed and let go */
-        tail = last_rows_padded(x, in, batch);
+        tail = last_rows_padded(x, in, x_stride, batch);
         if (tail == NULL) return -3;
     }
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
@@ -673,46 +678,47 @@ int linear_amx(const void *w, int64_t in, int64_t out, const void *x, int64_t ba
         if (batch > AMX_MAX_BATCH) {
             const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
             amx_configure(rows);
-            gemm_amx_blocks(w, in, out, x, tail, batch, y, 0);
+            gemm_amx_blocks(w, in, out, x, x_stride, tail, batch, y, out, 0);
         } else {
             amx_configure_step(batch);
-            project_amx(w, in, out, x, batch, y, NULL, NULL);
+            project_amx(w, in, out, x, x_stride, batch, y, NULL, NULL);
         }
         _tile_release();
     }
     free(tail);
     return 0;
 #else
-    (void)w, (void)in, (void)out, (void)x, (void)batch, (void)y, (void)num_threads;
+    (void)w, (void)in, (void)out, (void)x, (void)x_stride, (void)batch, (void)y, (void)num_threads;
     return -2;
 #endif
 }
 
-/* act [batch, inter] = silu(gate) * up in bfloat16, gate and up the halves of x [batch, in] @ w^T, w [2 * inter, in]
- * in the tile unit's B tiles (LAYOUT_AMX): gemm_amx_blocks with SiLU . up, each row on its own at any batch, the same bits as
- * linear_amx's product then silu_mul (the prompt rows' MLP: model/packed_linear.py). Returns as linear_amx. */
+/* act [batch, inter] (rows act_stride elements apart) = silu(gate) * up in bfloat16, gate and up the halves of
+ * x [batch, in] @ w^T, w [2 * inter, in] in the tile unit's B tiles (LAYOUT_AMX): gemm_amx_blocks with SiLU . up, each
+ * row on its own at any batch, the same bits as linear_amx's product then silu_mul (the prompt rows' MLP:
+ * model/packed_linear.py). Returns as linear_amx. */
 int linear_amx_silu(const void *w, int64_t in, int64_t inter, const void *x, int64_t batch, void *act,
-                    int num_threads) {
+                    int64_t act_stride, int num_threads) {
 #if defined(FUSED_F32) && defined(KVMOSAIC_AMX)
-    if (in % 32 || inter % 16 || batch < 0) return -1;
+    if (in % 32 || inter % 16 || batch < 0 || act_stride < inter) return -1;
     if (!amx_permitted()) return -2;
     if (batch == 0) return 0;
     uint16_t *tail = NULL;
     if (batch % 32) { /* the last group of rows, after zeros, computed and let go */
-        tail = last_rows_padded(x, in, batch);
+        tail = last_rows_padded(x, in, in, batch);
         if (tail == NULL) return -3;
     }
 #pragma omp parallel num_threads(num_threads > 0 ? num_threads : 1)
     {
         const uint8_t rows[8] = {16, 16, 16, 16, 16, 16, 16, 16};
         amx_configure(rows);
-        gemm_amx_blocks(w, in, inter, x, tail, batch, act, 1);
+        gemm_amx_blocks(w, in, inter, x, in, tail, batch, act, act_stride, 1);
         _tile_release();
     }
     free(tail);
     return 0;
 #else
-    (void)w, (void)in, (void)inter, (void)x, (void)batch, (void)act, (void)num_threads;
+    (void)w, (void)in, (void)inter, (void)x, (void)batch, (void)act, (void)act_stride, (void)num_threads;
     return -2;
 #endif
 }

@@ -62,7 +62,7 @@ static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const E
     (void)xsum;
 #if IS_BF16 && defined(KVMOSAIC_AMX)
     if (layout == LAYOUT_AMX) {
-        project_amx(w.w, in, out, x, batch, y, NULL, kv);
+        project_amx(w.w, in, out, x, in, batch, y, NULL, kv);
         return;
     }
 #endif
@@ -314,7 +314,7 @@ static int NAME(decode_step)(void *const *layers, int64_t num_layers, int64_t hi
                 rms_norm_row(res + b * hidden, NULL, head_norm, h + b * hidden, hidden, eps, IS_BF16);
 #if IS_BF16 && defined(KVMOSAIC_AMX)
             if (layout == LAYOUT_AMX)
-                project_amx(head, hidden, vocab, h, batch, NULL, logits, NULL);
+                project_amx(head, hidden, vocab, h, hidden, batch, NULL, logits, NULL);
             else
 #endif
                 NAME(project_rows)(head, hidden, vocab, layout == LAYOUT_TILES, h, batch, NULL, logits, NULL);
