@@ -96,6 +96,27 @@ def test_the_gate_up_silu_product_is_the_tile_gemm_then_silu_mul(monkeypatch):
 
 
 @on_tiles
+def test_the_tile_gemm_gives_the_same_bits_shared_by_rows_or_by_channels():
+    """Two threads share a product by output channels below ``AMX_ROW_SHARE_GROUPS`` (6) groups of 32 rows a
+    thread, by rows from there (decode_step.c): the same bits either way, and as one thread computes them."""
+    layer = make_llm(dtype="bfloat16").engine.runner.model.layers[1]
+    before = torch.get_num_threads()
+    try:
+        for p in (layer.qkv_proj, layer.down_proj):
+            x = torch.randn(745, p.in_features).bfloat16()
+            torch.set_num_threads(2)
+            by_rows = p.tile_product(x)  # 24 groups: 12 a thread
+            by_channels = torch.cat([p.tile_product(x[i : i + 300]) for i in range(0, 745, 300)])  # 10 or fewer
+            silu = layer.gate_up_proj.silu_product(x) if p is layer.qkv_proj else None
+            torch.set_num_threads(1)
+            assert torch.equal(by_rows, by_channels) and torch.equal(by_rows, p.tile_product(x))
+            if silu is not None:
+                assert torch.equal(silu, layer.gate_up_proj.silu_product(x))
+    finally:
+        torch.set_num_threads(before)
+
+
+@on_tiles
 def test_the_down_projection_reads_the_silu_products_rows_where_they_lie():
     """``silu_product``'s rows lie a cache line further apart than their width where the width is a multiple of
     four lines (this model's 1,536 bfloat16: ``decode_tiles.row_stride``), so that a tile load's 16 rows fall in

@@ -396,11 +396,11 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
 }
 /* Prompt-sized products on the tile unit (linear_amx past AMX_MAX_BATCH rows): 32 rows x 32 channels at a time
  * (C tiles 0-3, A tiles 4-5, B tiles 6-7: each tile loaded feeds two products), a thread's share of the channel
- * pairs, the rows in passes of amx_pass_groups x 32 that stay in L2 while the thread's pairs pass over them. Each
- * C tile is zeroed and summed over the input in project_amx's order (kb = 0, 1, ...) from the same A and B tiles:
- * a row's bits are project_amx's, at any number of rows. On a 2-core AMX Xeon ~2,300-2,600 GFLOP/s over this
- * model's four projections at 424-2,048 rows as a forward meets their weights, ~2,700 with one projection's
- * weights in cache (BENCHMARKS.md, issue 26, fourteenth session); which spans take it: model/prompt_gemms.py. */
+ * pairs (or of the rows: AMX_ROW_SHARE_GROUPS), the rows in passes of amx_pass_groups x 32 that stay in L2 while the
+ * thread's pairs pass over them. Each C tile is zeroed and summed over the input in project_amx's order (kb = 0, 1,
+ * ...) from the same A and B tiles: a row's bits are project_amx's, at any number of rows. On a 2-core AMX Xeon
+ * ~3,000-3,500 GFLOP/s over this model's four projections at 745 rows as a forward meets their weights in a
+ * harness (BENCHMARKS.md, issue 26, sixteenth session); which spans take it: model/prompt_gemms.py. */
 /* The rows of one pass over a thread's output blocks: as many groups of 32 as fit in AMX_GEMM_PASS_BYTES of
  * bfloat16 input (L2 is 2 MB a core on the AMX Xeon), so that each block's B tiles come from memory or L3 once
  * for all of them. At four groups a pass (the thirteenth session's) the blocks' B tiles streamed from L3 at
@@ -495,9 +495,19 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
     p->y = y, p->stride = stride, p->rows = rows, p->channels = b1 != NULL ? 32 : 16, p->done = 0;
 }
 
+/* From this many groups of 32 rows a thread, a team shares a prompt-sized product by its rows (each thread its groups,
+ * every output channel) instead of by its output channels (each thread every row, its share of the channels). A
+ * thread's rows are then those the row kernels before it wrote on the same core (rms_norm, rope_store and the like
+ * share rows as static schedules do), and its outputs those the next row kernel reads there: at 745 rows a
+ * prefill's activations no longer cross between the cores' caches between the products (the four products over
+ * 30 layers ~8 ms faster in process, 103 -> 95 ms the prefill, on the 2-core AMX Xeon). Each thread then reads every
+ * weight, which costs where the rows are few: at 300 rows 3% slower, at 500 6% faster, at 1,500 12%
+ * (BENCHMARKS.md, issue 26, sixteenth session). Either way each output is the same sum in the same order. */
+#define AMX_ROW_SHARE_GROUPS 6
+
 /* The prompt-sized products, in the calling team: the rows in groups of 32 (the last one from ``tail``: its rows
- * copied there after zeros, 32 x in), in passes of amx_pass_groups groups that stay in L2 while a thread's share
- * of the output blocks passes over them, each output block one amx_block per group, the next block's B tiles
+ * copied there after zeros, 32 x in), shared out by output blocks or by groups (AMX_ROW_SHARE_GROUPS), in passes of
+ * amx_pass_groups groups that stay in L2 while a thread's output blocks pass over them, each output block one amx_block per group, the next block's B tiles
  * asked for meanwhile (BAhead). Plain (silu 0): y [batch, out] = x @ w^T,
  * an output block 32 channels (two blocks of B tiles; 16 for an odd last one). silu: y [batch, out] = silu(gate) *
  * up, gate and up the two halves of x @ w^T (w [2 * out, in]: the gate's blocks, then the up's), an output block 16
@@ -506,11 +516,16 @@ static void gemm_amx_blocks(const uint16_t *w, int64_t in, int64_t out, const ui
                             const uint16_t *tail, int64_t batch, uint16_t *y, int64_t y_stride, const int silu) {
     const int64_t nk = in / 32, blocks = out / 16, groups = (batch + 31) / 32, width = silu ? 1 : 2;
     const int64_t pass = amx_pass_groups(in), block_bytes = nk * AMX_BLOCK * 2;
-    int64_t lo, hi;
-    static_share((blocks + width - 1) / width, omp_get_thread_num(), omp_get_num_threads(), &lo, &hi);
+    const int me = omp_get_thread_num(), team = omp_get_num_threads();
+    const int64_t units = (blocks + width - 1) / width;
+    int64_t lo = 0, hi = units, g_lo = 0, g_hi = groups; /* this thread's output units and groups of rows */
+    if (groups >= AMX_ROW_SHARE_GROUPS * team)
+        static_share(groups, me, team, &g_lo, &g_hi);
+    else
+        static_share(units, me, team, &lo, &hi);
     Pending pending = {.rows = 0};
-    for (int64_t g0 = 0; g0 < groups; g0 += pass) {
-        const int64_t g1 = g0 + pass < groups ? g0 + pass : groups, steps = (g1 - g0) * nk;
+    for (int64_t g0 = g_lo; g0 < g_hi; g0 += pass) {
+        const int64_t g1 = g0 + pass < g_hi ? g0 + pass : g_hi, steps = (g1 - g0) * nk;
         for (int64_t unit = lo; unit < hi; ++unit) {
             const int64_t cb = width * unit;
             const uint16_t *b0 = w + cb * nk * AMX_BLOCK;
