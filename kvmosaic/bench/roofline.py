@@ -4,8 +4,10 @@ this process with torch — the GEMM peak per dtype (float32, bfloat16) and the 
 
 - GEMM: a large square product and the model's own prefill shapes (one layer's QKV, output,
   gate/up and down projections for ``tokens`` rows), each the best of ``repeats`` timed runs
-  after a warm-up, by the faster of ``torch.matmul`` and oneDNN's pre-packed linear; a dtype's
-  peak is the better of the two.
+  after a warm-up, by the faster of ``torch.matmul`` and oneDNN's pre-packed linear; and where
+  kvmosaic's own tile GEMM serves (bfloat16 on an AMX CPU: ``model/decode_tiles.py``), the model's
+  shapes by it too, since it outruns oneDNN's there and a peak below what an engine reaches would
+  flatter every share of it. A dtype's peak is the best of them.
 - Memory: a read (``sum`` over a tensor far larger than any cache) and a copy, best of
   ``repeats``; GB/s counts bytes read (+ written, for the copy). The read is the decode floor's
   denominator: a decode step reads its weights.
@@ -20,7 +22,7 @@ import argparse
 import contextlib
 import json
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16")
@@ -37,13 +39,17 @@ class Roofline:
     square: int
     model_tokens: int
     buffer_mb: int
+    gemm_tile_gflops: dict[str, float] = field(default_factory=dict)  # the model's shapes by kvmosaic's tile GEMM
 
     def lines(self) -> list[str]:
         def shapes(d: str) -> str:
             return f"{self.gemm_model_gflops[d]:,.0f}" if d in self.gemm_model_gflops else "– (not read)"
 
+        def tile(d: str) -> str:
+            return f", kvmosaic's tile GEMM at them {self.gemm_tile_gflops[d]:,.0f}" if d in self.gemm_tile_gflops else ""
+
         gemm = ", ".join(f"{d} {self.gemm_gflops[d]:,.0f} GFLOP/s (square {self.gemm_square_gflops[d]:,.0f}, "
-                         f"model shapes {shapes(d)})" for d in self.gemm_gflops)
+                         f"model shapes {shapes(d)}{tile(d)})" for d in self.gemm_gflops)
         return [f"GEMM peak at {self.threads} thread(s): {gemm}",
                 f"memory bandwidth: read {self.read_gbs:,.1f} GB/s, copy {self.copy_gbs:,.1f} GB/s "
                 f"({self.buffer_mb} MB buffers)"]
@@ -100,6 +106,26 @@ def gemm_gflops(dtype: str, shapes: list[tuple[int, int, int]], repeats: int) ->
     return flops / best / 1e9
 
 
+def tile_gemm_gflops(shapes: list[tuple[int, int, int]], repeats: int) -> float | None:
+    """GFLOP/s of the products (m, k, n) in bfloat16 by kvmosaic's tile GEMM (``decode_tiles.amx_product``, the
+    weights in its B tiles), best of ``repeats``; None where it does not serve this CPU."""
+    import torch
+
+    from ..model import decode_tiles
+
+    if not decode_tiles.amx_blocks():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    ops = [(torch.randn(m, k, generator=gen).bfloat16(), decode_tiles.to_amx(torch.randn(n, k, generator=gen).bfloat16()))
+           for m, k, n in shapes]
+
+    def run() -> None:
+        for a, w in ops:
+            decode_tiles.amx_product(w, a)
+
+    return sum(2.0 * m * k * n for m, k, n in shapes) / best_seconds(run, repeats) / 1e9
+
+
 def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:
     """(read GB/s, copy GB/s) over float32 buffers of ``buffer_mb`` MB."""
     import torch
@@ -152,9 +178,12 @@ def measure(threads: int | None, model: str | None = None, quick: bool = False) 
             layer = []
         sq = {d: gemm_gflops(d, [(square, square, square)], repeats) for d in DTYPES}
         md = {d: gemm_gflops(d, layer, repeats) for d in DTYPES} if layer else {}
+        tile = tile_gemm_gflops(layer, repeats) if layer else None
+        tl = {} if tile is None else {"bfloat16": tile}
         read, copy = bandwidth_gbs(buffer_mb, repeats)
         used = torch.get_num_threads()
-    return Roofline(used, {d: max(sq[d], md.get(d, 0.0)) for d in DTYPES}, sq, md, read, copy, square, tokens, buffer_mb)
+    peak = {d: max(sq[d], md.get(d, 0.0), tl.get(d, 0.0)) for d in DTYPES}
+    return Roofline(used, peak, sq, md, read, copy, square, tokens, buffer_mb, tl)
 
 
 def write(out: Path, roofline: Roofline, header: dict) -> Path:
