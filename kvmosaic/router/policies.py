@@ -15,6 +15,7 @@ traded against queued work one for one (``hit_weight`` scales that).
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from .prefix_tree import PrefixTree
 from .prompt_hashes import PromptHasher
 
 REASONS = ("cache_hit", "load_balance", "fallback")
+UNHASHED_KEPT = 1024  # prompts routed before the hashing facts arrived, remembered to be expected later
 
 
 @dataclass
@@ -111,7 +113,10 @@ class CacheAware(LeastLoaded):
     """Score = load + uncached prompt tokens, from the exact index of replicas' events.
 
     Degrades, never fails: replicas whose view is stale count as holding nothing; with no fresh
-    view at all, or every replica past ``load_bound_tokens``, it is least-loaded.
+    view at all, or every replica past ``load_bound_tokens``, it is least-loaded. A prompt routed
+    before the model's hashing facts are known (``hasher`` None: no replica has reported them yet)
+    is remembered with its replica and expected there once :meth:`set_hasher` gives them, so its
+    repeats follow it as any other prompt's do.
     """
 
     name = "cache-aware"
@@ -121,6 +126,18 @@ class CacheAware(LeastLoaded):
         super().__init__(running_cost_tokens)
         self.index, self.hasher = index, hasher
         self.load_bound_tokens, self.hit_weight, self.expect_ttl_s = load_bound_tokens, hit_weight, expect_ttl_s
+        self._unhashed: deque[tuple[str, RouteRequest, float]] = deque(maxlen=UNHASHED_KEPT)
+
+    def set_hasher(self, hasher: PromptHasher) -> None:
+        """The model's hashing facts (a replica's ``model_info``): the prompts routed before them are
+        expected where they went, for what is left of their time."""
+        self.hasher = hasher
+        now = self.index.clock()
+        while self._unhashed:
+            replica_id, request, routed_at = self._unhashed.popleft()
+            left = self.expect_ttl_s - (now - routed_at)
+            if left > 0 and self.chain(request):
+                self.index.expect(replica_id, request.hashes, left, now)
 
     def chain(self, request: RouteRequest) -> list[bytes]:
         if request.hashes is None:
@@ -167,6 +184,8 @@ class CacheAware(LeastLoaded):
         request.predicted_cached_tokens = held.get(chosen, (0, 0.0))[0] if held else 0
         if request.hashes and self.expect_ttl_s > 0:
             self.index.expect(chosen, request.hashes, self.expect_ttl_s)
+        elif self.hasher is None and request.token_ids and self.expect_ttl_s > 0:
+            self._unhashed.append((chosen, request, self.index.clock()))
         return chosen, reason
 
 

@@ -77,8 +77,10 @@ class KVMosaicRouter(FIFOMixin, RequestRouter):
                 self.pids[rid] = st["pid"]
             if "events" in st:
                 if isinstance(self.policy, CacheAware) and self.policy.hasher is None:
-                    self.policy.hasher = PromptHasher.from_model_info(st["model_info"])
-                    self.index.block_size = self.policy.hasher.block_size
+                    hasher = PromptHasher.from_model_info(st["model_info"])
+                    with self.follower.lock:  # the index is written under it
+                        self.index.block_size = hasher.block_size
+                        self.policy.set_hasher(hasher)
                 self.follower.add(rid, st["events"], st.get("replay"), st.get("instance"))
 
     def _drop(self, rid: str) -> None:

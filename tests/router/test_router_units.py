@@ -215,3 +215,25 @@ def test_a_repeat_before_any_event_goes_where_the_first_went():
         assert pol.choose(req, idle) == (first, "cache_hit") and req.predicted_cached_tokens == 24
     others = {pol.choose(RouteRequest(str(i), list(range(100 + i, 140 + i))), idle)[0] for i in range(4)}
     assert others == {"a", "b"}
+
+
+def test_a_prompt_routed_before_the_hashing_facts_is_expected_where_it_went_once_they_arrive():
+    """The first request can come before any replica has reported the model's hashing facts (the
+    router then cannot hash it: fallback); once they arrive, that prompt is expected where it went,
+    so its repeat goes there too (a cluster's first tenant split over two replicas in CI without
+    this), and one whose time ran out is not."""
+    now = [0.0]
+    index = ClusterIndex(4, clock=lambda: now[0])
+    pol = CacheAware(index, None, expect_ttl_s=30.0)
+    idle = [ReplicaLoad("a", 0), ReplicaLoad("b", 0)]
+    first, reason = pol.choose(RouteRequest("1", list(range(3, 30))), idle)
+    pol.choose(RouteRequest("2", list(range(200, 230))), idle)
+    assert reason == "fallback"
+    now[0] = 20.0
+    pol.set_hasher(H)
+    for i in range(3, 6):
+        req = RouteRequest(str(i), list(range(3, 30)))
+        assert pol.choose(req, idle) == (first, "cache_hit") and req.predicted_cached_tokens == 24
+    now[0] = 31.0  # the second prompt's expectation (routed at 0) has run out; the first's repeats renewed it
+    assert pol.choose(RouteRequest("6", list(range(3, 30))), idle) == (first, "cache_hit")
+    assert pol.choose(RouteRequest("7", list(range(200, 230))), idle)[1] != "cache_hit"
