@@ -506,12 +506,13 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
 #define AMX_ROW_SHARE_GROUPS 6
 
 /* The prompt-sized products, in the calling team: the rows in groups of 32 (the last one from ``tail``: its rows
- * copied there after zeros, 32 x in), shared out by output blocks or by groups (AMX_ROW_SHARE_GROUPS), in passes of
- * amx_pass_groups groups that stay in L2 while a thread's output blocks pass over them, each output block one amx_block per group, the next block's B tiles
- * asked for meanwhile (BAhead). Plain (silu 0): y [batch, out] = x @ w^T,
- * an output block 32 channels (two blocks of B tiles; 16 for an odd last one). silu: y [batch, out] = silu(gate) *
- * up, gate and up the two halves of x @ w^T (w [2 * out, in]: the gate's blocks, then the up's), an output block 16
- * channels from a block of gate channels and the same block of up channels. */
+ * copied there after zeros, 32 x in; the others at x, x_stride elements apart), shared out by output blocks or by
+ * groups (AMX_ROW_SHARE_GROUPS), in passes of amx_pass_groups groups that stay in L2 while a thread's output blocks
+ * pass over them, each output block one amx_block per group, the next block's B tiles asked for meanwhile (BAhead).
+ * Plain (silu 0): y [batch, out] = x @ w^T (y's rows y_stride elements apart), an output block 32 channels (two
+ * blocks of B tiles; 16 for an odd last one). silu: y [batch, out] = silu(gate) * up, gate and up the two halves of
+ * x @ w^T (w [2 * out, in]: the gate's blocks, then the up's), an output block 16 channels from a block of gate
+ * channels and the same block of up channels. */
 static void gemm_amx_blocks(const uint16_t *w, int64_t in, int64_t out, const uint16_t *x, int64_t x_stride,
                             const uint16_t *tail, int64_t batch, uint16_t *y, int64_t y_stride, const int silu) {
     const int64_t nk = in / 32, blocks = out / 16, groups = (batch + 31) / 32, width = silu ? 1 : 2;
