@@ -182,6 +182,13 @@ class TiledLinear(nn.Module):
         return rows_product(self.tiles, x)
 
 
+def _call(name: str, *args) -> None:
+    """The library's product ``name`` on ``args`` and this process's thread count; raises where it declines."""
+    rc = getattr(kernels.decode_step_library(), name)(*args, torch.get_num_threads())
+    if rc != 0:
+        raise RuntimeError(f"{name} failed (code {rc})")
+
+
 def _c_product(weight: torch.Tensor, x: torch.Tensor, name: str, middle: tuple = (), tail: tuple = ()) -> torch.Tensor:
     """``x @ w.T`` in ``weight``'s dtype by the library's ``name`` (``linear_rows``), ``weight`` being ``w``
     ``[out, in]`` in that product's layout: its arguments are the weight, its input and output width, ``middle``,
@@ -189,11 +196,8 @@ def _c_product(weight: torch.Tensor, x: torch.Tensor, name: str, middle: tuple =
     out_features, in_features = weight.shape
     rows = x.reshape(-1, in_features).to(weight.dtype).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=weight.dtype)
-    rc = getattr(kernels.decode_step_library(), name)(weight.data_ptr(), in_features, out_features, *middle,
-                                                      rows.data_ptr(), rows.shape[0], out.data_ptr(), *tail,
-                                                      torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"{name} failed (code {rc})")
+    _call(name, weight.data_ptr(), in_features, out_features, *middle, rows.data_ptr(), rows.shape[0], out.data_ptr(),
+          *tail)
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -220,10 +224,8 @@ def amx_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     out_features, in_features = weight.shape
     rows = _amx_rows(x, in_features, weight.dtype)
     out = torch.empty(rows.shape[0], out_features, dtype=weight.dtype)
-    rc = kernels.decode_step_library().linear_amx(weight.data_ptr(), in_features, out_features, rows.data_ptr(),
-                                                  rows.stride(0), rows.shape[0], out.data_ptr(), torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"linear_amx failed (code {rc})")
+    _call("linear_amx", weight.data_ptr(), in_features, out_features, rows.data_ptr(), rows.stride(0), rows.shape[0],
+          out.data_ptr())
     return out.view(*x.shape[:-1], out_features)
 
 
@@ -233,13 +235,10 @@ def amx_silu_product(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     as :func:`amx_product` then ``kernels.silu_mul`` in one pass (no ``[rows, 2 * inter]`` product written). The
     result's rows are :func:`row_stride` elements apart (a view), as the down projection reads them best."""
     inter, in_features = weight.shape[0] // 2, weight.shape[1]
-    rows = _amx_rows(x, in_features, weight.dtype).contiguous()
+    rows = x.reshape(-1, in_features).to(weight.dtype).contiguous()
     stride = row_stride(inter, weight.element_size())
     out = torch.empty(rows.shape[0], stride, dtype=weight.dtype)
-    rc = kernels.decode_step_library().linear_amx_silu(weight.data_ptr(), in_features, inter, rows.data_ptr(),
-                                                       rows.shape[0], out.data_ptr(), stride, torch.get_num_threads())
-    if rc != 0:
-        raise RuntimeError(f"linear_amx_silu failed (code {rc})")
+    _call("linear_amx_silu", weight.data_ptr(), in_features, inter, rows.data_ptr(), rows.shape[0], out.data_ptr(), stride)
     return out[:, :inter].unflatten(0, x.shape[:-1])
 
 
