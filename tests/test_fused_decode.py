@@ -6,9 +6,10 @@
   and it is no further from transformers' float32 than the layer-by-layer path is.
 * A row's result does not depend on the rest of the batch: bit for bit the same alone; nor on
   the weights' layout (tests/test_fused_decode_layouts.py).
-* It declines what it does not compute (int8 weights, GGUF Q4_1 ones in bfloat16, prefills in the
-  step, cascade groups, ``KVMOSAIC_FUSED_DECODE=0``), and those steps run layer by layer.
-* In float32 it computes on a GGUF's Q4_1 blocks (``quantization="gguf"``) as the layer path does.
+* It declines what it does not compute (int8 weights, prefills in the step, cascade groups,
+  ``KVMOSAIC_FUSED_DECODE=0``), and those steps run layer by layer.
+* It computes on a GGUF's Q4_1 blocks (``quantization="gguf"``) as the layer path does, in float32 and
+  in bfloat16 (there up to the rows the layer path computes on the blocks too).
 * Both dtypes: bfloat16 (AVX512-BF16) and float32 (AVX-512, or AVX2 with FMA).
 """
 
@@ -129,7 +130,8 @@ def test_fused_greedy_matches_layer_by_layer_and_is_as_close_to_float32(dtype, m
 
 
 @pytest.mark.parametrize("dtype, quantization, shared", [("bfloat16", None, False), ("float32", None, False),
-                                                         ("float32", "gguf", False), ("bfloat16", None, True)])
+                                                         ("float32", "gguf", False), ("bfloat16", "gguf", False),
+                                                         ("bfloat16", None, True)])
 def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, shared, monkeypatch):
     """``shared``: the rows' contexts share a cached prefix of over two 128-key chunks, which the step attends
     once for all of them where it runs on AMX tiles (paged_decode_share): each row's bits as alone all the same."""
@@ -138,9 +140,9 @@ def test_a_row_alone_equals_the_row_in_a_batch_bit_for_bit(dtype, quantization, 
 
     def check_rows(fused, x, positions, kv, meta, logits_index):
         batched = fused(x, positions, kv, meta)
-        # a GGUF's Q8_0 head runs after the step; oneDNN's packed head (where it runs on AMX tiles) is
-        # read by the step where the step reads rows
-        assert (fused.head is not None) == (quantization is None
+        # a GGUF's Q8_0 head (float32) runs after the step; oneDNN's packed head (where it runs on AMX tiles)
+        # is read by the step where the step reads rows
+        assert (fused.head is not None) == ((quantization is None or dtype == "bfloat16")
                                             and (not amx_gemms(fused.dtype) or not decode_tiles.interleave()))
         logits = fused.step(x, positions, kv, meta, logits_index)  # the head in the same call, where it is fused
         assert torch.equal(logits, fused.logits(batched)), "the fused head gave other logits than the head after it"
@@ -196,11 +198,9 @@ def _served_any(llm, monkeypatch) -> bool:
     return served[0] > 0
 
 
-@pytest.mark.parametrize("kwargs", [{"quantization": "int8"}, {"quantization": "gguf"}],
-                         ids=["int8-weights", "gguf-q4-weights-bfloat16"])
-def test_declines_what_it_does_not_compute(kwargs, monkeypatch):
+def test_declines_what_it_does_not_compute(monkeypatch):
     _fused_llm()  # skips where the fused step does not exist at all
-    llm = make_llm(**{"dtype": "bfloat16", **kwargs})
+    llm = make_llm(dtype="bfloat16", quantization="int8")
     assert FusedDecode.for_model(llm.engine.model) is None
     assert not _served_any(llm, monkeypatch)
 
@@ -219,6 +219,26 @@ def test_gguf_q4_1_weights_in_float32_are_fused_and_match_the_layer_path(monkeyp
     layer_tokens, layer_logits = _greedy(llm, prompts)
     assert fused_tokens == layer_tokens
     assert_greedy_within(FUSED_LOGIT_TOL["float32"], layer_tokens, fused_tokens, layer_logits, fused_logits)
+
+
+def test_gguf_q4_1_weights_in_bfloat16_are_fused_up_to_the_kernels_rows(monkeypatch):
+    """In bfloat16 the step computes a GGUF's Q4_1 projections with the layer path's kernel (q4_1_bf16.h, the
+    same sums: every projection the same bits); greedy tokens and logits within the bfloat16 step's tolerance of
+    the layer path's, whose attention, norms and head sum in another order. Past ``GEMV_MAX_ROWS`` rows the layer
+    path multiplies weights rounded to bfloat16 instead, so the step declines there."""
+    from kvmosaic.model.quant_gguf import GEMV_MAX_ROWS
+
+    llm = _fused_llm("bfloat16", quantization="gguf", num_kv_blocks=256)
+    fused = FusedDecode.for_model(llm.engine.model)
+    assert fused is not None and fused.max_rows == GEMV_MAX_ROWS
+    prompts = _prompts(llm.tokenizer)
+    served = _count_fused_steps(llm.engine.model, monkeypatch)
+    fused_tokens, fused_logits = _greedy(llm, prompts)
+    assert served[0] >= 15
+    llm.reset_prefix_cache()
+    monkeypatch.setattr(llm.engine.model, "fused_decode", lambda kv, meta: None)
+    layer_tokens, layer_logits = _greedy(llm, prompts)
+    assert_greedy_within(FUSED_LOGIT_TOL["bfloat16"], layer_tokens, fused_tokens, layer_logits, fused_logits)
 
 
 def test_turned_off_by_the_environment(monkeypatch):

@@ -11,9 +11,10 @@ exactly as the layer-by-layer path does, up to float32 summation order in the pr
   where it has AMX: ``decode_tiles.amx_blocks``), or float32 on one with AVX-512 or AVX2 (the C
   function says so at its first call);
 * plain Llama layers: no Q/K/V bias, no q/k norms, no sliding window or soft-capping, SiLU,
-  full rotary, plain (or oneDNN-packed) projections, or in float32 a GGUF's Q4_1 ones
-  (``quantization="gguf"``: the same sums as the layer path's Q4_1 kernel, ``kernels/q4_1_avx2.h``);
-  not int8 ones;
+  full rotary, plain (or oneDNN-packed) projections, or a GGUF's Q4_1 ones (``quantization="gguf"``:
+  the same sums as the layer path's Q4_1 kernel, ``kernels/q4_1_avx2.h`` in float32, ``q4_1_bf16.h`` in
+  bfloat16; there at most ``quant_gguf.GEMV_MAX_ROWS`` rows, where the layer path runs that kernel and not
+  a GEMM over weights rounded to bfloat16); not int8 ones;
 * a step whose every token is a decode, with no shared-prefix (cascade) groups; on a CPU with AMX
   where the step's projections are not on the tile unit (``decode_tiles.amx_blocks``; the vector step,
   ``KVMOSAIC_DECODE_LAYOUT=rows``), at most ``AMX_MAX_ROWS`` of them (``packed_linear.amx_gemms``:
@@ -36,7 +37,7 @@ from torch import nn
 from . import decode_tiles, kernels
 from .attention import AttentionMetadata, PagedKV
 from .packed_linear import PackedLinear, amx_gemms
-from .quant_gguf import Q4_1Linear, Q8_0Head
+from .quant_gguf import GEMV_MAX_ROWS, Q4_1Linear, Q8_0Head
 
 log = logging.getLogger("kvmosaic")
 
@@ -61,7 +62,7 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
     copy where it is interleaved; d, m none), or in float32 the Q4_1 blocks of a GGUF projection
     (``quant_gguf.Q4_1Linear``: nibbles, scales, minima); else None."""
     if type(module) is Q4_1Linear:
-        ok = dtype == torch.float32 and module.gemv and module.qs.device.type == "cpu"
+        ok = dtype in (torch.float32, torch.bfloat16) and module.gemv and module.qs.device.type == "cpu"
         return (module.qs, module.d, module.m) if ok else None
     if type(module) is nn.Linear and module.bias is not None:
         return None
@@ -125,7 +126,12 @@ class FusedDecode:
         # 16, 99-115 against 77-81 at 32; 2-core AMX Xeon): larger decode batches take it, and past a few
         # rows oneDNN's head after the step. The step on the tile unit serves any batch, its head too.
         vector_beside_amx = amx_gemms(dtype) and self.layout != decode_tiles.AMX
-        self.max_rows = AMX_MAX_ROWS if vector_beside_amx else None
+        # In bfloat16 the layer path computes Q4_1 projections past GEMV_MAX_ROWS rows by a GEMM over the weights
+        # rounded to bfloat16, not by the kernel the step shares: the step serves no more rows than the kernel
+        q4_1 = any(d is not None for layer in weights for d in layer[1:12:3])  # a projection's Q4_1 scales
+        q4_1_rows = GEMV_MAX_ROWS if dtype == torch.bfloat16 and q4_1 else None
+        self.max_rows = min((n for n in (AMX_MAX_ROWS if vector_beside_amx else None, q4_1_rows) if n is not None),
+                            default=None)
         self.head_max_rows = AMX_HEAD_MAX_ROWS if vector_beside_amx else None  # rows the head in the step serves
 
     @classmethod

@@ -48,7 +48,7 @@ SOURCES = [Path(__file__).with_name(name)
            for name in ("paged_decode.c", "elementwise.c", "q4_1_matmul.c", "q8_0_matmul.c", "decode_step.c",
                         "prefill_attention.c", "prefill_attention_amx.c", "prefill_attention_avx2.c")]
 HEADERS = [Path(__file__).with_name(name)
-           for name in ("amx.h", "bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h", "q4_1_avx2.h",
+           for name in ("amx.h", "bf16.h", "elementwise.h", "paged_decode.h", "decode_step_layers.h", "q4_1_avx2.h", "q4_1_bf16.h",
                         "prefill_softmax.h")]
 # No FMA contraction: a * b + c rounds the product as torch's separate operators do.
 FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",

@@ -24,9 +24,10 @@
 #include "elementwise.h"
 #include "paged_decode.h"
 #include "q4_1_avx2.h"
+#include "q4_1_bf16.h"
 
 /* A projection's weight: rows in the step's dtype (d NULL), or a GGUF's Q4_1 blocks (w the
- * nibbles, d and m the scales and minima widened; kernels/__init__.py's Q4_1Weights), float32 only. */
+ * nibbles, d and m the scales and minima widened; kernels/__init__.py's Q4_1Weights). */
 typedef struct {
     const void *w;
     const float *d, *m;
@@ -222,6 +223,47 @@ static void gate_up_silu_q4_1(Weight w, int64_t in, int64_t inter, const float *
                       xsum + r0 * nblocks, nr, Q4_1_TILE_CHANNELS, u);
             for (int r = 0; r < nr; ++r)
                 for (int c = 0; c < Q4_1_TILE_CHANNELS; ++c) act[(r0 + r) * inter + o + c] = silu(gate[r][c]) * u[r][c];
+        }
+    }
+}
+#endif
+
+#if defined(Q4_1_BF16_DOT)
+/* The Q4_1 counterparts of project and gate_up_silu for bfloat16 x (q4_1_bf16.h's sums, which the layer path's
+ * q4_1_matmul runs too), each result rounded to bfloat16 as it stores them; gate and up rounded, silu and the
+ * product as the dense step's (and the layer path's silu_mul). xsum: this thread's [batch, in / 32] buffer. */
+static void project_q4_1_bf16(Weight w, int64_t in, int64_t out, const uint16_t *x, int64_t batch, uint16_t *y,
+                              float *xsum) {
+    const int64_t nblocks = in / 32;
+    q4_1_block_sums_bf16(x, in, batch, in, xsum);
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < out; ++o) {
+        for (int64_t r0 = 0; r0 < batch; r0 += Q4_1_BF16_ROWS) {
+            const int nr = batch - r0 < Q4_1_BF16_ROWS ? (int)(batch - r0) : Q4_1_BF16_ROWS;
+            float dots[Q4_1_BF16_ROWS];
+            q4_1_channel_bf16((const uint8_t *)w.w + o * nblocks * 16, w.d + o * nblocks, w.m + o * nblocks, nblocks,
+                              x + r0 * in, in, xsum + r0 * nblocks, nr, dots);
+            for (int r = 0; r < nr; ++r) y[(r0 + r) * out + o] = float_to_bf16(dots[r]);
+        }
+    }
+}
+
+static void gate_up_silu_q4_1_bf16(Weight w, int64_t in, int64_t inter, const uint16_t *x, int64_t batch,
+                                   uint16_t *act, float *xsum) {
+    const int64_t nblocks = in / 32, up = inter * nblocks;
+    q4_1_block_sums_bf16(x, in, batch, in, xsum);
+#pragma omp for schedule(static)
+    for (int64_t o = 0; o < inter; ++o) {
+        const uint8_t *qs = (const uint8_t *)w.w + o * nblocks * 16;
+        for (int64_t r0 = 0; r0 < batch; r0 += Q4_1_BF16_ROWS) {
+            const int nr = batch - r0 < Q4_1_BF16_ROWS ? (int)(batch - r0) : Q4_1_BF16_ROWS;
+            float gate[Q4_1_BF16_ROWS], u[Q4_1_BF16_ROWS];
+            q4_1_channel_bf16(qs, w.d + o * nblocks, w.m + o * nblocks, nblocks, x + r0 * in, in, xsum + r0 * nblocks,
+                              nr, gate);
+            q4_1_channel_bf16(qs + up * 16, w.d + up + o * nblocks, w.m + up + o * nblocks, nblocks, x + r0 * in, in,
+                              xsum + r0 * nblocks, nr, u);
+            for (int r = 0; r < nr; ++r)
+                act[(r0 + r) * inter + o] = float_to_bf16(round_bf16(silu(round_bf16(gate[r]))) * round_bf16(u[r]));
         }
     }
 }
@@ -575,7 +617,7 @@ int decode_step_amx(void) {
  *
  * layers: num_layers * 16 pointers, per layer: the projections qkv [(H + 2 Hkv) D, hidden], o [hidden,
  * H D], gate_up [2 inter, hidden], down [hidden, inter] as three pointers each, (w, d, m): the
- * weight in the dtype, contiguous, in decode tiles (decode_tile_shape) when tiled, else in rows, d and m NULL; or (float32 only) Q4_1 blocks, w the nibbles [out, in / 2],
+ * weight in the dtype, contiguous, in decode tiles (decode_tile_shape) when tiled, else in rows, d and m NULL; or Q4_1 blocks, w the nibbles [out, in / 2],
  * d and m [out, in / 32]; then the input and post-attention norm weights [hidden], the layer's K
  * and V pools [num_slots, Hkv, D] (the dtype);
  * stream [batch, hidden] in the dtype: the embeddings in, the final hidden state out;
@@ -610,7 +652,9 @@ int decode_step(void *const *layers, int64_t num_layers, int64_t hidden, int64_t
 #if !defined(Q4_1_AVX2)
                 return -2; /* Q4_1 blocks need the AVX2 tiles */
 #endif
-                if (bf16) return -1; /* Q4_1 blocks: float32 only */
+#if !defined(Q4_1_BF16_DOT)
+                if (bf16) return -2; /* Q4_1 blocks in bfloat16 need AVX512-BF16's */
+#endif
             }
     if (layout == LAYOUT_AMX) {
         if (!bf16 || qkv_width % 16 || hidden % 16 || inter % 16 || (head && vocab % 16)) return -1;

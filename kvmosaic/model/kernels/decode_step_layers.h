@@ -50,12 +50,17 @@ static void NAME(project_rows)(const ELEM *w, int64_t in, int64_t out, int tiled
 }
 
 /* project_rows for a Weight: dense (in ``layout``; on the tile unit x's rows as project_amx takes them), or
- * (float32) Q4_1 blocks; xsum: this thread's block-sum buffer; kv as project_rows' (dense weights only). */
+ * Q4_1 blocks; xsum: this thread's block-sum buffer; kv as project_rows' (dense weights only). */
 static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const ELEM *x, int64_t batch, ELEM *y,
                           float *xsum, KvPrefetch *kv) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (w.d != NULL) {
         project_q4_1(w, in, out, x, batch, y, xsum);
+        return;
+    }
+#elif IS_BF16 && defined(Q4_1_BF16_DOT)
+    if (w.d != NULL) {
+        project_q4_1_bf16(w, in, out, x, batch, y, xsum);
         return;
     }
 #endif
@@ -71,12 +76,17 @@ static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const E
 
 /* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
  * the dtype first, silu (elementwise.h's, as the layer path's) and the product too (w [2 * inter,
- * in]: gate rows, then up rows; dense, in ``layout``, or Q4_1 blocks in float32). */
+ * in]: gate rows, then up rows; dense, in ``layout``, or Q4_1 blocks). */
 static void NAME(gate_up_silu)(Weight weight, int layout, int64_t in, int64_t inter, const ELEM *x, int64_t batch,
                                ELEM *act, float *xsum) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
     if (weight.d != NULL) {
         gate_up_silu_q4_1(weight, in, inter, x, batch, act, xsum);
+        return;
+    }
+#elif IS_BF16 && defined(Q4_1_BF16_DOT)
+    if (weight.d != NULL) {
+        gate_up_silu_q4_1_bf16(weight, in, inter, x, batch, act, xsum);
         return;
     }
 #endif

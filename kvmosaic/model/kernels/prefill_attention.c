@@ -24,8 +24,12 @@
 
 #include "prefill_softmax.h"
 
+#ifndef ROWS_D64
 #define ROWS_D64 7  /* query rows per bfloat16 tile: as many as the registers hold (measured) */
+#endif
+#ifndef ROWS_D128
 #define ROWS_D128 4
+#endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* ROWS query rows of one head (rows i0.. of the span; row r sees keys 0..last[r]) against the

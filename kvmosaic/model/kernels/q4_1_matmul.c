@@ -17,7 +17,8 @@
  *     AVX2 with FMA the regrouped sums of q4_1_avx2.h (the fused decode step's, bit for bit);
  *   - bfloat16 x on a CPU with AVX512-BF16: regrouped per block as
  *       y = sum_b d_b * (x_b . q_b) + sum_b m_b * (sum of x_b),
- *     x_b . q_b by VDPBF16PS (q <= 15 is exact in bfloat16, its products exact in float32).
+ *     x_b . q_b by VDPBF16PS (q <= 15 is exact in bfloat16, its products exact in float32): the sums
+ *     of q4_1_bf16.h (the fused decode step's, bit for bit).
  * Every (row, channel) output is computed by one thread in the same order whatever the number
  * of rows, so a row's result does not depend on the other rows (batch invariance). Rows are
  * taken in tiles so that a block, read once from memory, serves all of them.
@@ -28,6 +29,7 @@
 
 #include "bf16.h"
 #include "q4_1_avx2.h"
+#include "q4_1_bf16.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -108,53 +110,6 @@ static inline void channel_tile_f32(const uint8_t *qs, const float *d, const flo
 #endif
 }
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__)
-#define Q4_1_BF16_DOT 1
-/* bfloat16 bits of 0..15: the lookup that turns nibbles into bfloat16 values. */
-static const uint16_t NIBBLE_BF16[32] = {0x0000, 0x3f80, 0x4000, 0x4040, 0x4080, 0x40a0, 0x40c0, 0x40e0,
-                                         0x4100, 0x4110, 0x4120, 0x4130, 0x4140, 0x4150, 0x4160, 0x4170};
-
-/* Block b into the accumulators of rows [r0, r0 + nr) of the bfloat16 x. */
-INLINE void block_bf16(const uint8_t *qs, const float *d, const uint16_t *x, int64_t in, int64_t b, int64_t r0,
-                       int nr, __m512i table, __m512 *acc) {
-    const __m256i q16 = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)(qs + b * QS_BYTES)));
-    const __m512i idx = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(q16, _mm256_set1_epi16(0x0f))),
-                                           _mm256_srli_epi16(q16, 4), 1);
-    const __m512bh q = (__m512bh)_mm512_permutexvar_epi16(idx, table);
-    const __m512 vd = _mm512_set1_ps(d[b]);
-    for (int r = 0; r < ROW_TILE; ++r) {
-        if (r < nr) {
-            const __m512bh xb = (__m512bh)_mm512_loadu_si512((const void *)(x + (r0 + r) * in + b * Q4_1_BLOCK));
-            acc[r] = _mm512_fmadd_ps(_mm512_dpbf16_ps(_mm512_setzero_ps(), xb, q), vd, acc[r]);
-        }
-    }
-}
-
-/* One output channel for rows [r0, r0 + nr) of the bfloat16 x; xsum [rows, nblocks] holds each
- * block's sum of x. Even and odd blocks accumulate apart; the m terms are one dot product. */
-static inline void channel_tile_bf16(const uint8_t *qs, const float *d, const float *m, const uint16_t *x,
-                                     const float *xsum, int64_t in, int64_t r0, int nr, float *dots) {
-    const int64_t nblocks = in / Q4_1_BLOCK;
-    const __m512i table = _mm512_loadu_si512((const void *)NIBBLE_BF16);
-    __m512 even[ROW_TILE], odd[ROW_TILE];
-    for (int r = 0; r < ROW_TILE; ++r) even[r] = odd[r] = _mm512_setzero_ps();
-    int64_t b = 0;
-    for (; b + 1 < nblocks; b += 2) {
-        block_bf16(qs, d, x, in, b, r0, nr, table, even);
-        block_bf16(qs, d, x, in, b + 1, r0, nr, table, odd);
-    }
-    if (b < nblocks) block_bf16(qs, d, x, in, b, r0, nr, table, even);
-    for (int r = 0; r < nr; ++r) {
-        __m512 ms = _mm512_setzero_ps();
-        for (int64_t c = 0; c < nblocks; c += 16) {
-            const __mmask16 k = first_lanes(nblocks - c);
-            ms = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + c), _mm512_maskz_loadu_ps(k, xsum + (r0 + r) * nblocks + c), ms);
-        }
-        dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + _mm512_reduce_add_ps(ms);
-    }
-}
-#endif
-
 #if defined(Q4_1_AVX2) && !defined(__AVX512F__)
 #define Q4_1_F32_TILES 1
 /* The float32 x product on AVX2 (q4_1_avx2.h), channel tiles shared out among the threads. */
@@ -194,18 +149,14 @@ int q4_1_matmul(const uint8_t *qs, const float *d, const float *m, const void *x
     if (x_bf16) {
         float *xsum = (float *)malloc(sizeof(float) * (size_t)(rows * nblocks + 1));
         if (xsum == NULL) return -1;
-        for (int64_t i = 0; i < rows * nblocks; ++i) {
-            float s = 0.0f;
-            for (int j = 0; j < Q4_1_BLOCK; ++j) s += bf16_to_float(((const uint16_t *)x)[i * Q4_1_BLOCK + j]);
-            xsum[i] = s;
-        }
+        q4_1_block_sums_bf16((const uint16_t *)x, in, rows, in, xsum);
 #pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && out >= 64)
         for (int64_t o = 0; o < out; ++o) {
-            float dots[ROW_TILE];
-            for (int64_t r0 = 0; r0 < rows; r0 += ROW_TILE) {
-                const int nr = rows - r0 < ROW_TILE ? (int)(rows - r0) : ROW_TILE;
-                channel_tile_bf16(qs + o * nblocks * QS_BYTES, d + o * nblocks, m + o * nblocks, (const uint16_t *)x,
-                                  xsum, in, r0, nr, dots);
+            float dots[Q4_1_BF16_ROWS];
+            for (int64_t r0 = 0; r0 < rows; r0 += Q4_1_BF16_ROWS) {
+                const int nr = rows - r0 < Q4_1_BF16_ROWS ? (int)(rows - r0) : Q4_1_BF16_ROWS;
+                q4_1_channel_bf16(qs + o * nblocks * QS_BYTES, d + o * nblocks, m + o * nblocks, nblocks,
+                                  (const uint16_t *)x + r0 * in, in, xsum + r0 * nblocks, nr, dots);
                 for (int r = 0; r < nr; ++r) store(y, y_bf16, (r0 + r) * out + o, dots[r]);
             }
         }
