@@ -25,13 +25,20 @@ import time
 PHASES = ("norm + qkv", "attention", "merge + o", "norm + gate_up", "down", "final norm + head")
 
 
-def phase_bytes(cfg, vocab: int, element: int, context: float) -> list[float]:
-    """Bytes each phase reads in one step at batch 1 (its weights; attention: K and V)."""
+# Bytes a weight of a GGUF's Q4_1 projection takes in the kernels' split (kernels.Q4_1Weights): half a byte of
+# nibbles, and per 32 weights a float32 scale and minimum
+Q4_1_WEIGHT_BYTES = 0.5 + 8 / 32
+
+
+def phase_bytes(cfg, vocab: int, element: int, context: float, weight_bytes: float | None = None) -> list[float]:
+    """Bytes each phase reads in one step at batch 1 (its weights, ``weight_bytes`` each, ``element`` where
+    None; attention: K and V, ``element`` each; the head: ``element`` a weight)."""
     layers, hidden, inter = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size
     q_width, kv_width = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    per_layer = [hidden * (q_width + 2 * kv_width), 2 * context * kv_width, q_width * hidden, 2 * inter * hidden,
-                 inter * hidden]
-    return [layers * n * element for n in per_layer] + [vocab * hidden * element]
+    weight = element if weight_bytes is None else weight_bytes
+    per_layer = [hidden * (q_width + 2 * kv_width) * weight, 2 * context * kv_width * element,
+                 q_width * hidden * weight, 2 * inter * hidden * weight, inter * hidden * weight]
+    return [layers * n for n in per_layer] + [vocab * hidden * element]
 
 
 def phase_cell(seconds: float, nbytes: float, read: float) -> str:
@@ -49,6 +56,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=200, help="decode steps timed per sequence")
     ap.add_argument("--requests", type=int, default=4)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quantization", choices=("gguf",), default=None,
+                    help="gguf: the projections on the file's Q4_1 blocks (the head stays in the dtype)")
     args = ap.parse_args()
     os.environ["KVMOSAIC_KERNEL_DEFINES"] = "KVMOSAIC_PHASE_TIMERS"  # before the first build
 
@@ -61,7 +70,7 @@ def main() -> None:
     from kvmosaic.model import kernels
 
     print(describe(), flush=True)
-    llm = LLM(dtype=args.dtype, num_threads=args.threads)
+    llm = LLM(dtype=args.dtype, num_threads=args.threads, quantization=args.quantization)
     engine, model = llm.engine, llm.engine.model
     lib = kernels.decode_step_library()
     if lib is None or not hasattr(lib, "decode_phase_seconds"):
@@ -70,7 +79,8 @@ def main() -> None:
     element = torch.finfo(getattr(torch, args.dtype)).bits // 8
     vocab = model.output_weight.shape[0]
     rng = random.Random(0)
-    print(f"\n{args.dtype}, {args.threads} threads, batch 1, {args.tokens}-token prompts, {args.steps} steps each\n")
+    weights = "" if args.quantization is None else ", projections on Q4_1 blocks"
+    print(f"\n{args.dtype}{weights}, {args.threads} threads, batch 1, {args.tokens}-token prompts, {args.steps} steps each\n")
     print("| request | read GB/s | step ms (wall) | C phases ms | " + " | ".join(PHASES) + " |")
     print("|---|---|---|---|" + "---|" * len(PHASES))
     for r in range(args.requests):
@@ -88,7 +98,8 @@ def main() -> None:
             walls.append(time.perf_counter() - start)
         steps = len(walls)
         per_step = [timers[i] / steps for i in range(len(PHASES))]
-        nbytes = phase_bytes(model.config, vocab, element, args.tokens + 2 + steps / 2)
+        nbytes = phase_bytes(model.config, vocab, element, args.tokens + 2 + steps / 2,
+                             Q4_1_WEIGHT_BYTES if args.quantization else None)
         cells = [phase_cell(t, b, read) for t, b in zip(per_step, nbytes)]
         print(f"| {r + 1} | {read:.1f} | {1e3 * statistics.median(walls):.2f} | {1e3 * sum(per_step):.2f} | "
               + " | ".join(cells) + " |", flush=True)

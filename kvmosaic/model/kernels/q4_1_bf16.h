@@ -57,10 +57,11 @@ static inline __attribute__((always_inline)) void q4_1_block_bf16(const uint8_t 
     }
 }
 
-/* dots[r] = x_r . w for one channel (its qs, d, m) and nr (<= Q4_1_BF16_ROWS) rows of x (row stride
- * x_stride) with their block sums xsum (row stride nblocks). */
-static inline void q4_1_channel_bf16(const uint8_t *qs, const float *d, const float *m, int64_t nblocks,
-                                     const uint16_t *x, int64_t x_stride, const float *xsum, int nr, float *dots) {
+/* q4_1_channel_bf16 for a constant nr: inlined, its accumulators in registers (a call per channel with nr
+ * at run time kept them on the stack and cost about as much as an 18-block channel's products). */
+static inline __attribute__((always_inline)) void q4_1_channel_rows(const uint8_t *qs, const float *d, const float *m,
+                                                                    int64_t nblocks, const uint16_t *x, int64_t x_stride,
+                                                                    const float *xsum, const int nr, float *dots) {
     const __m512i table = _mm512_loadu_si512((const void *)Q4_1_NIBBLE_BF16);
     __m512 even[Q4_1_BF16_ROWS], odd[Q4_1_BF16_ROWS];
     for (int r = 0; r < Q4_1_BF16_ROWS; ++r) even[r] = odd[r] = _mm512_setzero_ps();
@@ -77,6 +78,19 @@ static inline void q4_1_channel_bf16(const uint8_t *qs, const float *d, const fl
             ms = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, m + c), _mm512_maskz_loadu_ps(k, xsum + r * nblocks + c), ms);
         }
         dots[r] = _mm512_reduce_add_ps(_mm512_add_ps(even[r], odd[r])) + _mm512_reduce_add_ps(ms);
+    }
+}
+
+/* dots[r] = x_r . w for one channel (its qs, d, m) and nr (<= Q4_1_BF16_ROWS) rows of x (row stride
+ * x_stride) with their block sums xsum (row stride nblocks). */
+static inline __attribute__((always_inline)) void q4_1_channel_bf16(const uint8_t *qs, const float *d, const float *m,
+                                                                    int64_t nblocks, const uint16_t *x, int64_t x_stride,
+                                                                    const float *xsum, int nr, float *dots) {
+    switch (nr) {
+    case 1: q4_1_channel_rows(qs, d, m, nblocks, x, x_stride, xsum, 1, dots); break;
+    case 2: q4_1_channel_rows(qs, d, m, nblocks, x, x_stride, xsum, 2, dots); break;
+    case 3: q4_1_channel_rows(qs, d, m, nblocks, x, x_stride, xsum, 3, dots); break;
+    default: q4_1_channel_rows(qs, d, m, nblocks, x, x_stride, xsum, Q4_1_BF16_ROWS, dots); break;
     }
 }
 #endif
