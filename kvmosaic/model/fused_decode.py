@@ -59,8 +59,8 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
     """What the C step reads of a projection, as its ``(w, d, m)`` pointers: the ``[out, in]``
     weight in ``dtype`` of a bias-free plain or packed projection, in the step's layout
     (model/decode_tiles.py: a packed projection keeps it instead of its rows, a plain one gets a
-    copy where it is interleaved; d, m none), or in float32 the Q4_1 blocks of a GGUF projection
-    (``quant_gguf.Q4_1Linear``: nibbles, scales, minima); else None."""
+    copy where it is interleaved; d, m none), or the Q4_1 blocks of a GGUF projection (``quant_gguf.Q4_1Linear``:
+    nibbles, scales, minima) in float32 or bfloat16; else None."""
     if type(module) is Q4_1Linear:
         ok = dtype in (torch.float32, torch.bfloat16) and module.gemv and module.qs.device.type == "cpu"
         return (module.qs, module.d, module.m) if ok else None
