@@ -187,12 +187,14 @@ class OpenAIIngress:
 
     # ---- replicas, one by one --------------------------------------------------------------
     async def replica_ids(self) -> list[str]:
-        """The live replicas (asking one first, if no request has made the router yet)."""
+        """The live replicas (asking one first, if no request has made the router yet), waiting up to 5 s for the
+        router to know as many as were started: its view of them fills in after the first requests (the explorer's
+        state once showed one replica of two)."""
         if self.router() is None:
             await self.engines.options(method_name="replica_id").remote()
         router = self.router()
         for _ in range(50):
-            if router is not None and router.curr_replicas:
+            if router is not None and len(router.curr_replicas) >= (self.args.replicas or 1):
                 break
             await asyncio.sleep(0.1)
         return sorted(rid.unique_id for rid in (router.curr_replicas if router is not None else {}))
