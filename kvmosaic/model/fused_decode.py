@@ -126,12 +126,13 @@ class FusedDecode:
         # 16, 99-115 against 77-81 at 32; 2-core AMX Xeon): larger decode batches take it, and past a few
         # rows oneDNN's head after the step. The step on the tile unit serves any batch, its head too.
         vector_beside_amx = amx_gemms(dtype) and self.layout != decode_tiles.AMX
+        caps = [AMX_MAX_ROWS] if vector_beside_amx else []
         # In bfloat16 the layer path computes Q4_1 projections past GEMV_MAX_ROWS rows by a GEMM over the weights
         # rounded to bfloat16, not by the kernel the step shares: the step serves no more rows than the kernel
-        q4_1 = any(d is not None for layer in weights for d in layer[1:12:3])  # a projection's Q4_1 scales
-        q4_1_rows = GEMV_MAX_ROWS if dtype == torch.bfloat16 and q4_1 else None
-        self.max_rows = min((n for n in (AMX_MAX_ROWS if vector_beside_amx else None, q4_1_rows) if n is not None),
-                            default=None)
+        if dtype == torch.bfloat16 and any(type(getattr(layer, name)) is Q4_1Linear
+                                           for layer in model.layers for name in PROJECTIONS):
+            caps.append(GEMV_MAX_ROWS)
+        self.max_rows = min(caps, default=None)
         self.head_max_rows = AMX_HEAD_MAX_ROWS if vector_beside_amx else None  # rows the head in the step serves
 
     @classmethod

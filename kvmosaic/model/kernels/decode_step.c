@@ -263,7 +263,7 @@ static void gate_up_silu_q4_1_bf16(Weight w, int64_t in, int64_t inter, const ui
             q4_1_channel_bf16(qs + up * 16, w.d + up + o * nblocks, w.m + up + o * nblocks, nblocks, x + r0 * in, in,
                               xsum + r0 * nblocks, nr, u);
             for (int r = 0; r < nr; ++r)
-                act[(r0 + r) * inter + o] = float_to_bf16(round_bf16(silu(round_bf16(gate[r]))) * round_bf16(u[r]));
+                act[(r0 + r) * inter + o] = silu_times_up_bf16(gate[r], u[r]);
         }
     }
 }
@@ -431,8 +431,7 @@ static void gate_up_silu_amx(const uint16_t *w, int64_t in, int64_t inter, const
             AMX_STORE(1, 3, up)
             for (int64_t r = 0; r < rows; ++r)
                 for (int c = 0; c < 16; ++c)
-                    act[(r0 + r) * inter + cb * 16 + c] =
-                        float_to_bf16(round_bf16(silu(round_bf16(gate[r][c]))) * round_bf16(up[r][c]));
+                    act[(r0 + r) * inter + cb * 16 + c] = silu_times_up_bf16(gate[r][c], up[r][c]);
         }
     }
 }

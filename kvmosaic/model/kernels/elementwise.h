@@ -127,6 +127,12 @@ INLINE void rms_norm_row(const void *x, void *residual, const void *weight, void
  * (Sleef's exp), so in bfloat16 it rounds to torch's value but for rare ties. */
 INLINE float silu(float g) { return g / (1.0f + exp_clamped(-g)); }
 
+/* One bfloat16 silu(gate) * up from float32 sums, rounded as silu_mul_row rounds a GEMM's rounded outputs: gate
+ * and up rounded to bfloat16, silu rounded, the product rounded. */
+INLINE uint16_t silu_times_up_bf16(float gate, float up) {
+    return float_to_bf16(round_bf16(silu(round_bf16(gate))) * round_bf16(up));
+}
+
 #if defined(__AVX512F__)
 /* silu on 16 lanes, the same operations (exp16_clamped is exp_clamped on 16 lanes). */
 INLINE __m512 silu16(__m512 g) {
