@@ -14,6 +14,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
+# Where make_llm's engines run: "cpu" (CI), or "cuda" to run the engine-level suites on a GPU
+# (tests/test_cuda.py has the checks that need one; docs/ARCHITECTURE.md, "Devices").
+TEST_DEVICE = os.environ.get("KVMOSAIC_TEST_DEVICE", "cpu")
+
 
 @pytest.fixture(scope="session")
 def shipped_gguf() -> str:
@@ -45,7 +49,7 @@ def make_llm(**kwargs):
     from kvmosaic import LLM
 
     kwargs.setdefault("dtype", "float32")
-    kwargs.setdefault("device", "cpu")
+    kwargs.setdefault("device", TEST_DEVICE)
     kwargs.setdefault("num_kv_blocks", 256)
     # A fixed thread count: comparisons of outputs (cache on / off, alone / batched) hold at any
     # given count; oneDNN's float32 GEMMs sum in another order at another count, which the thread
@@ -64,7 +68,7 @@ def record_logits(llm) -> dict[str, list[torch.Tensor]]:
     def wrapped(batch):
         result = execute(batch)
         for row, s in enumerate(result.sampling):
-            seen.setdefault(s.seq.request_id, []).append(result.logits[row].clone())
+            seen.setdefault(s.seq.request_id, []).append(result.logits[row].cpu().clone())
         return result
 
     runner.execute = wrapped

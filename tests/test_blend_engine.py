@@ -195,6 +195,8 @@ def test_the_selection_defaults_to_each_modes_better_rule(llm):
 def test_placing_by_kernel_or_torch_ops_gives_the_same_blend(llm):
     """The stored KV placed in one pass a segment (``kernels.rerotate_store``) or re-rotated and
     written by torch ops (where the kernel does not serve): the same blended output, bit for bit."""
+    if llm.engine.device.type != "cpu":
+        pytest.skip("the kernel places segments in CPU pools only")
     blender = llm.engine.segment_reuse.blender
     assert blender.pools is not None, "the kernel serves this CPU pool"
     llm.engine.segment_reuse.store.clear()

@@ -261,7 +261,8 @@ def test_cache_events_name_the_tier_as_medium(reference):
     llm = make_llm(prefix_cache="hash", kv_tiers=["host:1MiB:write_through"], enable_kv_events=True)
     llm.generate([PROMPTS[0]], PARAMS)
     events, _ = llm.engine.events.drain()
-    pool = {e.block_hashes[0] for e in events if isinstance(e, BlockStored) and e.medium == "CPU"}
+    medium = llm.engine.pool.medium  # "CPU", or "GPU" for a CUDA pool (vLLM's names)
+    pool = {e.block_hashes[0] for e in events if isinstance(e, BlockStored) and e.medium == medium}
     host = [e for e in events if isinstance(e, BlockStored) and e.medium == "host"]
     assert pool and {e.block_hashes[0] for e in host} == pool
     assert all(len(e.token_ids) == 16 for e in host)

@@ -20,7 +20,7 @@ import torch
 
 from ..cache.hashing import CacheNamespace
 from ..cache.segments import LEFT_CONTEXT, SegmentEntry, SegmentIndex, segment_key
-from ..kv.block_io import dtype_name
+from ..kv.block_io import dtype_name, tensor_bytes
 from ..kv.paged import PagedKVCache
 from ..tiers import BlockMeta, TierStack, tokens_digest
 
@@ -49,7 +49,7 @@ class SegmentKVStore:
         self.tiers, self.fingerprint = tiers, fingerprint
         self.token_key = tiers.token_key
         self.layer_shape = (kv.config.num_layers, 2, kv.config.num_kv_heads, kv.config.head_dim)
-        self.dtype = kv.dtype
+        self.dtype, self.device = kv.dtype, kv.device
 
     def _meta(self, key: bytes, tokens: Sequence[int], shape: tuple[int, ...], dtype: torch.dtype,
               origin: int = 0, left: bytes | None = None) -> BlockMeta:
@@ -82,7 +82,7 @@ class SegmentKVStore:
         got = self.tiers.load(key, self._meta(key, tokens, shape, self.dtype))
         if got is None:
             return None
-        kv = torch.frombuffer(bytearray(got.payload), dtype=self.dtype).view(shape)
+        kv = torch.frombuffer(bytearray(got.payload), dtype=self.dtype).view(shape).to(self.device)
         self.tier_loads += 1
         if not self.put(tokens, cache_salt, adapter_id, got.position, kv, to_tiers=False, left=got.left or None):
             return None
@@ -97,7 +97,7 @@ class SegmentKVStore:
         key = self.key(tokens, cache_salt, adapter_id)
         if to_tiers and self.tiers is not None:
             meta = self._meta(key, tokens, tuple(kv.shape), kv.dtype, origin, left)
-            payload = kv.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+            payload = tensor_bytes(kv)
             self.tiers.put_block(key, meta, payload, range(len(self.tiers)))  # MAC'd per tier (format.py)
         evicted = self.index.insert(key, tokens, origin, kv.numel() * kv.element_size(), left)
         if evicted is None:

@@ -67,7 +67,7 @@ class BlockIO:
             host = self._staging
         else:
             host = src.contiguous()
-        return _tensor_bytes(host)
+        return tensor_bytes(host)
 
     def write(self, block_id: int, payload: bytes | bytearray | memoryview) -> None:
         """Put a verified payload (``read``'s format) into block ``block_id``."""
@@ -100,6 +100,7 @@ def nonfinite(meta: BlockMeta, payload: bytes | bytearray | memoryview) -> str |
     return None if ok else "nonfinite"
 
 
-def _tensor_bytes(t: torch.Tensor) -> bytes:
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """``t``'s bytes in memory order, from any device (copied to the host first)."""
     # Through uint8 so every dtype (bfloat16 included, which numpy lacks) has a byte view.
-    return t.contiguous().view(torch.uint8).reshape(-1).numpy().tobytes()
+    return t.contiguous().cpu().view(torch.uint8).reshape(-1).numpy().tobytes()

@@ -189,7 +189,9 @@ def quantize_gguf(model: nn.Module, weights: LoadedWeights) -> int:
 
 def _checked(layer: Q4_1Linear, weight: torch.Tensor, what: str) -> Q4_1Linear:
     """``layer``, after checking that its blocks are the rows of ``weight`` (the float model's,
-    in the model's dtype): a wrong row order (RoPE un-permutation, fusion) cannot pass."""
+    in the model's dtype): a wrong row order (RoPE un-permutation, fusion) cannot pass. The
+    layer moves to ``weight``'s device (off the CPU it multiplies its blocks dequantized per call)."""
+    layer = layer.to(weight.device)
     if not torch.equal(layer.dequantized(weight.dtype), weight.detach()):
         raise ValueError(f"gguf: {what}'s Q4_1 blocks do not dequantize to the loaded weight (row order?)")
     return layer
