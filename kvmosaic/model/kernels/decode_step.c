@@ -97,6 +97,13 @@ INLINE void static_share(int64_t n, int me, int team, int64_t *lo, int64_t *hi) 
     *hi = *lo + q + (me < r);
 }
 
+/* Where a tile's weights are read once (prefetch_next false: decode tiles, a batch of at most ROWS rows), they are
+ * asked for this many bytes ahead of the loads, the hardware's stream prefetch alone running short: a bfloat16 step
+ * of the shipped model at one row 5.5 -> 4.9 ms on a Zen 5 EPYC in fast-memory minutes (~80 GB/s read), 7.5 -> 6.7
+ * in slow ones (~50), float32 ~3%; 4 KB ahead close, 16 KB and into L2 (T1) less (BENCHMARKS.md, eighteenth session). */
+#ifndef TILE_AHEAD_BYTES
+#define TILE_AHEAD_BYTES 8192
+#endif
 #define PF_TILES 4 /* prefetch the weight rows this many tiles ahead: ~2-4% over one (measured, AVX2 EPYC) */
 
 /* The weights of the step's projections are laid out in decode tiles (decode_tile_shape,
@@ -145,6 +152,8 @@ INLINE void dot_tile_f32(const float *w, int64_t in, int tiled, int prefetch, co
             if (prefetch)
                 _mm_prefetch((const char *)(tiled ? tile_f32_at(w, in, 1, c, i) + CHANNELS * in : w + (c + CHANNELS) * in + i),
                              _MM_HINT_T0);
+            else /* tiled */
+                _mm_prefetch((const char *)tile_f32_at(w, in, 1, c, i) + TILE_AHEAD_BYTES, _MM_HINT_T0);
             wv[c] = _mm512_loadu_ps(tile_f32_at(w, in, tiled, c, i));
         }
         for (int r = 0; r < nr; ++r) {
@@ -304,6 +313,8 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
             if (prefetch)
                 _mm_prefetch((const char *)(tiled ? tile_bf16_at(w, in, 1, c, i) + CHANNELS * in : w + (c + CHANNELS) * in + i),
                              _MM_HINT_T0);
+            else /* tiled */
+                _mm_prefetch((const char *)tile_bf16_at(w, in, 1, c, i) + TILE_AHEAD_BYTES, _MM_HINT_T0);
             wv[c] = (__m512bh)_mm512_loadu_si512(tile_bf16_at(w, in, tiled, c, i));
         }
         for (int r = 0; r < nr; ++r) {
