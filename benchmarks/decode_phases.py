@@ -59,7 +59,8 @@ def main() -> None:
     ap.add_argument("--quantization", choices=("gguf",), default=None,
                     help="gguf: the projections on the file's Q4_1 blocks (the head stays in the dtype)")
     args = ap.parse_args()
-    os.environ["KVMOSAIC_KERNEL_DEFINES"] = ("KVMOSAIC_PHASE_TIMERS " + os.environ.get("KVMOSAIC_KERNEL_DEFINES", "")).strip()  # before the first build
+    # before the first build; other defines given (a study's) stay
+    os.environ["KVMOSAIC_KERNEL_DEFINES"] = " ".join(["KVMOSAIC_PHASE_TIMERS", os.environ.get("KVMOSAIC_KERNEL_DEFINES", "")]).strip()
 
     import torch
 

@@ -98,9 +98,10 @@ INLINE void static_share(int64_t n, int me, int team, int64_t *lo, int64_t *hi) 
 }
 
 /* Where a tile's weights are read once (prefetch_next false: decode tiles, a batch of at most ROWS rows), they are
- * asked for this many bytes ahead of the loads, the hardware's stream prefetch alone running short: a bfloat16 step
- * of the shipped model at one row 5.5 -> 4.9 ms on a Zen 5 EPYC in fast-memory minutes (~80 GB/s read), 7.5 -> 6.7
- * in slow ones (~50), float32 ~3%; 4 KB ahead close, 16 KB and into L2 (T1) less (BENCHMARKS.md, eighteenth session). */
+ * asked for this many bytes ahead of the loads, the hardware's stream prefetch alone running short in some minutes: a
+ * bfloat16 step of the shipped model at one row on a Zen 5 EPYC 5.5 -> 4.9 and 5.8 -> 5.4 ms in fast-memory minutes
+ * (~80 GB/s read), 7.5 -> 6.7 in slow ones (~50) of one hour and no different in a later hour's; float32 ~3%; 4 KB
+ * ahead close, 16 KB and into L2 (T1) less; never slower (BENCHMARKS.md, eighteenth session). */
 #ifndef TILE_AHEAD_BYTES
 #define TILE_AHEAD_BYTES 8192
 #endif
