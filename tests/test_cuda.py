@@ -17,6 +17,7 @@ The CPU suites run on a GPU too with ``KVMOSAIC_TEST_DEVICE=cuda`` (tests/confte
 
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -40,8 +41,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 @pytest.fixture(scope="module")
 def hf_cuda(shipped_gguf):
     """transformers' Llama on the shipped GGUF's weights, float32 on the GPU."""
-    import os
-
     from transformers import AutoModelForCausalLM
 
     d, f = os.path.split(shipped_gguf)

@@ -261,7 +261,8 @@ def test_cache_events_name_the_tier_as_medium(reference):
     llm = make_llm(prefix_cache="hash", kv_tiers=["host:1MiB:write_through"], enable_kv_events=True)
     llm.generate([PROMPTS[0]], PARAMS)
     events, _ = llm.engine.events.drain()
-    medium = llm.engine.pool.medium  # "CPU", or "GPU" for a CUDA pool (vLLM's names)
+    medium = llm.engine.pool.medium
+    assert medium == ("GPU" if llm.engine.device.type == "cuda" else "CPU")  # vLLM's names
     pool = {e.block_hashes[0] for e in events if isinstance(e, BlockStored) and e.medium == medium}
     host = [e for e in events if isinstance(e, BlockStored) and e.medium == "host"]
     assert pool and {e.block_hashes[0] for e in host} == pool
