@@ -17,8 +17,7 @@ The CPU suites run on a GPU too with ``KVMOSAIC_TEST_DEVICE=cuda`` (tests/confte
 
 from __future__ import annotations
 
-import os
-import warnings
+import copy
 
 import pytest
 import torch
@@ -39,14 +38,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprob
 
 
 @pytest.fixture(scope="module")
-def hf_cuda(shipped_gguf):
-    """transformers' Llama on the shipped GGUF's weights, float32 on the GPU."""
-    from transformers import AutoModelForCausalLM
-
-    d, f = os.path.split(shipped_gguf)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(d, gguf_file=f, dtype=torch.float32).to(CUDA).eval()
+def hf_cuda(hf_model):
+    """conftest's transformers Llama on the shipped GGUF's weights, a float32 copy on the GPU."""
+    return copy.deepcopy(hf_model).to(CUDA).eval()
 
 
 def test_paged_logits_on_cuda_match_transformers_on_cuda(hf_cuda, tokenizer):
