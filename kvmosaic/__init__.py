@@ -10,6 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .huge_pages import request_huge_pages
+
+request_huge_pages()  # before anything of the package allocates: torch latches it then (huge_pages.py)
+
 if TYPE_CHECKING:
     from .engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams, StructuredOutputs
 
