@@ -136,8 +136,9 @@ def _declared(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 # Where the kernel may stand from torch's float32 attention: (atol = rtol of the output, atol of the log-sum-exp).
-# In bfloat16 on AMX tiles (decode_rows_amx) the probabilities are rounded to bfloat16 before P.V, as the prefill
-# kernels and FlashAttention round them (relative 2^-9 each), and exponentials come from a degree-3 fit (9e-5).
+# In bfloat16 the probabilities are rounded to bfloat16 before P.V (on AVX512-BF16 and on AMX tiles, decode_rows_amx),
+# as the prefill kernels and FlashAttention round them (relative 2^-9 each), and on the tiles exponentials come from a
+# degree-3 fit (9e-5).
 AGREEMENT = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (1e-2, 3e-4)}
 
 
