@@ -20,21 +20,9 @@ from __future__ import annotations
 import os
 
 ENV = "THP_MEM_ALLOC_ENABLE"
-SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
 
 
 def request_huge_pages() -> None:
     """Asks torch's CPU allocator for huge pages on large allocations, unless the operator chose."""
     os.environ.setdefault(ENV, "1")
 
-
-def kernel_mode(path: str = SYSFS) -> str:
-    """The kernel's THP mode (``always``, ``madvise`` or ``never``; "" where it does not say): huge
-    pages back the allocator's requests under the first two."""
-    try:
-        with open(path) as f:
-            text = f.read()
-    except OSError:
-        return ""
-    start, end = text.find("["), text.find("]")
-    return text[start + 1:end] if 0 <= start < end else ""

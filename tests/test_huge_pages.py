@@ -13,7 +13,21 @@ import sys
 
 import pytest
 
-from kvmosaic.huge_pages import ENV, kernel_mode, request_huge_pages
+from kvmosaic.huge_pages import ENV, request_huge_pages
+
+SYSFS = "/sys/kernel/mm/transparent_hugepage/enabled"
+
+
+def kernel_mode(path: str = SYSFS) -> str:
+    """The kernel's THP mode (``always``, ``madvise`` or ``never``; "" where it does not say): huge
+    pages back torch's requests under the first two."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1:end] if 0 <= start < end else ""
 
 CHILD = r"""
 import json

@@ -101,6 +101,22 @@ static inline __m512 round_bf16x16(__m512 f) {
 }
 
 static inline void store_bf16x16(uint16_t *p, __m512 f) { _mm256_storeu_si256((__m256i *)p, (__m256i)_mm512_cvtneps_pbh(f)); }
+
+/* Two adjacent bfloat16 values (a query's two dimensions, two keys' probabilities) on every 32-bit lane. */
+static inline __m512bh broadcast_pair(const uint16_t *p) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
+/* 32 elements of two rows a, b side by side for VDPBF16PS: out[0]'s 16-bit lanes 2i, 2i + 1 are a[i], b[i] for
+ * i < 16, out[1]'s the same for i = 16 .. 31 (prefill's packed V; decode's pairs of V rows). */
+static inline void interleave_rows(__m512i a, __m512i b, __m512i out[2]) {
+    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const __m512i first = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(0x10001)), _mm512_set1_epi32(32 << 16));
+    out[0] = _mm512_permutex2var_epi16(a, first, b); /* b's elements numbered from 32 */
+    out[1] = _mm512_permutex2var_epi16(a, _mm512_add_epi32(first, _mm512_set1_epi32(16 * 0x10001)), b);
+}
 #else
 static inline __m512 round_bf16x16(__m512 f) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(float_to_bf16x16(f), 16));

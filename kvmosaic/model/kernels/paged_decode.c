@@ -183,11 +183,6 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
         m[r] = -3.0e38f;
         l[r] = 0.0f;
     }
-    /* 16-bit lanes 2i, 2i + 1 of an interleaved pair of V rows a, b: a[i], b[i] (b's elements numbered from 32),
-     * for dimensions 0-15 of 32 (first), 16-31 (second) */
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i first = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(0x10001)), _mm512_set1_epi32(32 << 16));
-    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(16 * 0x10001));
     for (int64_t t0 = 0; t0 < len; t0 += TILE) {
         const int64_t n = len - t0 < TILE ? len - t0 : TILE;
         for (int64_t j = 0; j < n; ++j) {
@@ -217,17 +212,12 @@ static inline __attribute__((always_inline)) void attend_one_avx512bf16(
         for (int64_t j = 0; j < n; j += 2) {
             const uint16_t *va = v_pool + (seq_slots[t0 + j] * kv_heads + g) * dim;
             const uint16_t *vb = j + 1 < n ? v_pool + (seq_slots[t0 + j + 1] * kv_heads + g) * dim : va; /* its weight 0 */
-            __m512bh v[MAX_DIM / 16]; /* v[c]: dimensions 16c .. 16c + 15 of keys j, j + 1 side by side */
-            for (int64_t c = 0; c < pairs; ++c) {
-                const __m512i a = _mm512_loadu_si512(va + 32 * c), b = _mm512_loadu_si512(vb + 32 * c);
-                v[2 * c] = (__m512bh)_mm512_permutex2var_epi16(a, first, b);
-                v[2 * c + 1] = (__m512bh)_mm512_permutex2var_epi16(a, second, b);
-            }
+            __m512i v[MAX_DIM / 16]; /* v[c]: dimensions 16c .. 16c + 15 of keys j, j + 1 side by side */
+            for (int64_t c = 0; c < pairs; ++c)
+                interleave_rows(_mm512_loadu_si512(va + 32 * c), _mm512_loadu_si512(vb + 32 * c), v + 2 * c);
             for (int64_t r = 0; r < group; ++r) {
-                int32_t pair;
-                memcpy(&pair, probs[r] + j, sizeof pair);
-                const __m512bh pp = (__m512bh)_mm512_set1_epi32(pair);
-                for (int64_t c = 0; c < vecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], v[c], pp);
+                const __m512bh pp = broadcast_pair(probs[r] + j);
+                for (int64_t c = 0; c < vecs; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], (__m512bh)v[c], pp);
             }
         }
     }

@@ -123,12 +123,6 @@ static inline float row_scalar(__m512 per_row, int r) {
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-static inline __m512bh broadcast_pair(const uint16_t *p) {
-    int32_t pair;
-    memcpy(&pair, p, sizeof pair);
-    return (__m512bh)_mm512_set1_epi32(pair);
-}
-
 /* Transposes 16 x 16 32-bit elements in place: r[c] becomes the old column c (lane i: old r[i]'s element c). */
 static inline void transpose_16x16_epi32(__m512i r[16]) {
     __m512i t[16];
@@ -177,10 +171,6 @@ static void pack_k(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
  * of each at a time. */
 static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int64_t ctx_pad, int64_t kv_heads,
                    int64_t g, int64_t dim, uint16_t *vt) {
-    /* permutation indices: 16-bit lanes 2i, 2i + 1 take a[i], b[i] (b's elements numbered from 32); then 16 on */
-    const __m512i iota = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
-    const __m512i first = _mm512_add_epi32(_mm512_mullo_epi32(iota, _mm512_set1_epi32(0x10001)), _mm512_set1_epi32(32 << 16));
-    const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(16 * 0x10001));
     for (int64_t j = 0; j < ctx_pad; j += 2) {
         const uint16_t *ra = j < ctx ? pool + (slots[j] * kv_heads + g) * dim : NULL;
         const uint16_t *rb = j + 1 < ctx ? pool + (slots[j + 1] * kv_heads + g) * dim : NULL;
@@ -188,8 +178,10 @@ static void pack_v(const uint16_t *pool, const int64_t *slots, int64_t ctx, int6
         for (int64_t d = 0; d < dim; d += 32) {
             const __m512i a = ra ? _mm512_loadu_si512(ra + d) : _mm512_setzero_si512();
             const __m512i b = rb ? _mm512_loadu_si512(rb + d) : _mm512_setzero_si512();
-            _mm512_storeu_si512(pair + 2 * d, _mm512_permutex2var_epi16(a, first, b));
-            _mm512_storeu_si512(pair + 2 * d + 32, _mm512_permutex2var_epi16(a, second, b));
+            __m512i both[2];
+            interleave_rows(a, b, both);
+            _mm512_storeu_si512(pair + 2 * d, both[0]);
+            _mm512_storeu_si512(pair + 2 * d + 32, both[1]);
         }
     }
 }
