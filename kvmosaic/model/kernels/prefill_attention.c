@@ -8,14 +8,17 @@
  * Each KV head's context is first repacked once, for all its query heads and rows: K as
  * [16-key tiles][D/2 pairs][16 keys][2] (a VDPBF16PS lane is one key's dot product with a pair
  * of a query's dimensions), V as [key pairs][D][2] (a lane is one output dimension over a pair of
- * keys). Then every (query head, tile of ROWS query rows) runs an online softmax over blocks of
- * BLOCK keys: scores by VDPBF16PS in float32 (products exact), softmax in float32 with a base-2
- * exponential accurate to 9e-5 (exp2_coarse: P is then rounded to bfloat16, a relative step of
- * 2^-8, as torch's flash kernel rounds it), P.V by VDPBF16PS again with float32 sums.
+ * keys). Then every (query head, tile of ROWS query rows) runs an online softmax over passes of
+ * SUPER keys: the pass's scores by VDPBF16PS in float32 (products exact), BLOCK keys at a time,
+ * into an L1 buffer; the softmax in float32 with a base-2 exponential accurate to 9e-5
+ * (exp2_coarse: P is then rounded to bfloat16, a relative step of 2^-8, as torch's flash kernel
+ * rounds it), against each row's maximum so far; P.V by VDPBF16PS again with float32 sums, half
+ * the rows at a time so that all their sums stay in registers.
  *
  * Invariants: a query row's result depends only on its own query, its position and the context
- * up to it: rows never share sums, key blocks start at the context's first key whatever the
- * span's length, and keys past a row's position get probability exactly 0. So a row gives the
+ * up to it: rows never share sums, key passes and blocks start at the context's first key whatever the
+ * span's length, keys past a row's position get probability exactly 0 and a pass wholly past it scales
+ * its sums by exactly 1. So a row gives the
  * same bits whether the prompt before it came from the cache or was computed in the same step,
  * and whatever else the batch holds (tests/test_prefill_attention.py).
  */
@@ -31,56 +34,100 @@
 #define ROWS_D128 4
 #endif
 
+#ifndef SUPER
+#define SUPER 256 /* keys per softmax pass, a multiple of BLOCK: its scores and probabilities stay in L1 */
+#endif
+
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 /* ROWS query rows of one head (rows i0.. of the span; row r sees keys 0..last[r]) against the
- * packed context; DV = D / 16 output vectors per row. Writes bfloat16 rows of out. */
+ * packed context; DV = D / 16 output vectors per row. Writes bfloat16 rows of out.
+ *
+ * The keys go by in passes of SUPER (from the context's first key, whatever the span): the
+ * pass's scores, BLOCK keys at a time into a buffer (and each row's running top); then each
+ * row's probabilities from them against the row's maximum so far, rounded to bfloat16; then
+ * P.V over the whole pass with the accumulators in registers. The online softmax's rescaling,
+ * its horizontal reductions and the accumulators' trips to the stack happen once a pass, not
+ * once a BLOCK (the rescaling had held the tile at ~2/3 of the bfloat16 GEMM's rate). */
+/* P.V over a pass for rows [R0, R1) of the tile (constants: their sums stay in registers), in DEFINE_TILE. */
+#define PV_ROWS(DV, R0, R1)                                                                                          \
+    for (int64_t kp = 0; kp < width / 2; ++kp) {                                                                     \
+        __m512bh vv[DV];                                                                                             \
+        for (int c = 0; c < DV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + kp * 2 * dim + c * 32);               \
+        for (int r = R0; r < R1; ++r) {                                                                              \
+            const __m512bh pp = broadcast_pair(probs[r] + 2 * kp);                                                  \
+            for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pp);                        \
+        }                                                                                                            \
+    }
+
 #define DEFINE_TILE(NAME, ROWS, DV)                                                                                  \
     static void NAME(const uint16_t *const *q_rows, const int64_t *last, int nr, const uint16_t *kt,               \
                      const uint16_t *vt, float scale, uint16_t *const *out_rows) {                                  \
         const int64_t dim = DV * 16;                                                                                 \
-        __m512 acc[ROWS][DV], m = _mm512_set1_ps(-INFINITY), l = _mm512_setzero_ps();                                \
+        const __m512 unit = _mm512_set1_ps(scale * EXP_LOG2E), minus_inf = _mm512_set1_ps(-INFINITY);                \
+        float scores[ROWS][SUPER] __attribute__((aligned(64)));                                                      \
+        uint16_t probs[ROWS][SUPER] __attribute__((aligned(64)));                                                    \
+        __m512 acc[ROWS][DV], m = minus_inf, l = _mm512_setzero_ps();                                                \
         int64_t reach = 0;                                                                                           \
         for (int r = 0; r < ROWS; ++r) {                                                                             \
             for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_setzero_ps();                                           \
             if (r < nr && last[r] + 1 > reach) reach = last[r] + 1;                                                  \
         }                                                                                                            \
-        for (int64_t j0 = 0; j0 < reach; j0 += BLOCK) {                                                              \
-            __m512 s[ROWS][2];                                                                                       \
-            for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();                                 \
-            const uint16_t *k0 = kt + j0 * dim, *k1 = k0 + 16 * dim;                                                 \
-            for (int64_t p = 0; p < dim / 2; ++p) {                                                                  \
-                const __m512bh a = (__m512bh)_mm512_loadu_si512(k0 + p * 32);                                       \
-                const __m512bh b = (__m512bh)_mm512_loadu_si512(k1 + p * 32);                                       \
-                for (int r = 0; r < ROWS; ++r) {                                                                     \
-                    const __m512bh qp = broadcast_pair(q_rows[r] + 2 * p);                                          \
-                    s[r][0] = _mm512_dpbf16_ps(s[r][0], a, qp);                                                      \
-                    s[r][1] = _mm512_dpbf16_ps(s[r][1], b, qp);                                                      \
+        for (int64_t j0 = 0; j0 < reach; j0 += SUPER) {                                                              \
+            const int64_t rest = (reach - j0 + BLOCK - 1) / BLOCK * BLOCK, width = rest < SUPER ? rest : SUPER;     \
+            __m512 top[MAX_ROWS];                                                                                    \
+            for (int r = 0; r < MAX_ROWS; ++r) top[r] = minus_inf;                                                   \
+            for (int64_t b = 0; b < width; b += BLOCK) {                                                             \
+                __m512 s[ROWS][2];                                                                                   \
+                for (int r = 0; r < ROWS; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();                             \
+                const uint16_t *k0 = kt + (j0 + b) * dim, *k1 = k0 + 16 * dim;                                       \
+                for (int64_t p = 0; p < dim / 2; ++p) {                                                              \
+                    const __m512bh ka = (__m512bh)_mm512_loadu_si512(k0 + p * 32);                                  \
+                    const __m512bh kb = (__m512bh)_mm512_loadu_si512(k1 + p * 32);                                  \
+                    for (int r = 0; r < ROWS; ++r) {                                                                 \
+                        const __m512bh qp = broadcast_pair(q_rows[r] + 2 * p);                                      \
+                        s[r][0] = _mm512_dpbf16_ps(s[r][0], ka, qp);                                                 \
+                        s[r][1] = _mm512_dpbf16_ps(s[r][1], kb, qp);                                                 \
+                    }                                                                                                \
                 }                                                                                                    \
+                for (int r = 0; r < ROWS; ++r)                                                                       \
+                    for (int h = 0; h < 2; ++h) {                                                                    \
+                        const int64_t seen = last[r] - (j0 + b + 16 * h) + 1; /* of these 16 keys */                \
+                        const __m512 seen_s = seen >= 16 ? s[r][h] : _mm512_mask_mov_ps(minus_inf, first_lanes(seen), s[r][h]); \
+                        top[r] = _mm512_max_ps(top[r], seen_s);                                                      \
+                        _mm512_store_ps(scores[r] + b + 16 * h, s[r][h]);                                            \
+                    }                                                                                                \
             }                                                                                                        \
-            uint16_t probs[ROWS][BLOCK] __attribute__((aligned(64)));                                                \
-            __m512 corr[ROWS];                                                                                       \
-            softmax_rows(s, ROWS, last, j0, scale, 1, &m, &l, corr);                                                 \
+            const __m512 m_new = _mm512_max_ps(m, _mm512_mul_ps(reduce_rows_max(top), unit));                        \
+            /* m - m_new <= 0; -inf - finite (the first pass) clamped: a factor of ~0 on accumulators still 0 */    \
+            const __m512 factor = exp2_coarse(_mm512_max_ps(_mm512_sub_ps(m, m_new), _mm512_set1_ps(-200.0f)));     \
+            __m512 sum[MAX_ROWS];                                                                                    \
+            for (int r = 0; r < MAX_ROWS; ++r) sum[r] = _mm512_setzero_ps();                                         \
             for (int r = 0; r < ROWS; ++r) {                                                                         \
-                for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr[r]);                         \
-                _mm512_store_si512(probs[r], (__m512i)_mm512_cvtne2ps_pbh(s[r][1], s[r][0]));                        \
-            }                                                                                                        \
-            const uint16_t *v = vt + j0 * dim;                                                                       \
-            for (int kp = 0; kp < BLOCK / 2; ++kp) {                                                                 \
-                __m512bh vv[DV];                                                                                     \
-                for (int c = 0; c < DV; ++c) vv[c] = (__m512bh)_mm512_loadu_si512(v + kp * 2 * dim + c * 32);       \
-                for (int r = 0; r < ROWS; ++r) {                                                                     \
-                    const __m512bh pp = broadcast_pair(probs[r] + 2 * kp);                                          \
-                    for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], vv[c], pp);                \
+                const __m512 mr = row_figure(m_new, r);                                                              \
+                for (int64_t j = 0; j < width; j += 32) {                                                            \
+                    __m512 p[2];                                                                                     \
+                    for (int h = 0; h < 2; ++h) {                                                                    \
+                        const int64_t seen = last[r] - (j0 + j + 16 * h) + 1;                                        \
+                        p[h] = exp2_coarse(_mm512_fmsub_ps(_mm512_load_ps(scores[r] + j + 16 * h), unit, mr));      \
+                        if (seen < 16) p[h] = _mm512_maskz_mov_ps(first_lanes(seen), p[h]);                          \
+                    }                                                                                                \
+                    sum[r] = _mm512_add_ps(sum[r], _mm512_add_ps(p[0], p[1]));                                       \
+                    _mm512_store_si512(probs[r] + j, (__m512i)_mm512_cvtne2ps_pbh(p[1], p[0]));                      \
                 }                                                                                                    \
+                const __m512 corr = row_figure(factor, r);                                                           \
+                for (int c = 0; c < DV; ++c) acc[r][c] = _mm512_mul_ps(acc[r][c], corr);                            \
             }                                                                                                        \
+            l = _mm512_add_ps(_mm512_mul_ps(l, factor), reduce_rows_add(sum));                                       \
+            m = m_new;                                                                                               \
+            const uint16_t *v = vt + j0 * dim;                                                                       \
+            PV_ROWS(DV, 0, (ROWS + 1) / 2)                                                                           \
+            PV_ROWS(DV, (ROWS + 1) / 2, ROWS)                                                                        \
         }                                                                                                            \
         for (int r = 0; r < nr; ++r) {                                                                               \
-            const __m512 inv = _mm512_set1_ps(1.0f / row_scalar(l, r));                                                          \
-            for (int c = 0; c < DV; ++c) {                                                                           \
-                float o[16];                                                                                         \
-                _mm512_storeu_ps(o, _mm512_mul_ps(acc[r][c], inv));                                                  \
-                for (int i = 0; i < 16; ++i) out_rows[r][c * 16 + i] = float_to_bf16(o[i]);                          \
-            }                                                                                                        \
+            const __m512 inv = _mm512_set1_ps(1.0f / row_scalar(l, r));                                              \
+            for (int c = 0; c < DV; ++c)                                                                             \
+                _mm256_storeu_si256((__m256i *)(out_rows[r] + c * 16),                                               \
+                                    _mm512_cvtepi32_epi16(float_to_bf16x16(_mm512_mul_ps(acc[r][c], inv))));        \
         }                                                                                                            \
     }
 
