@@ -101,9 +101,17 @@ INLINE void static_share(int64_t n, int me, int team, int64_t *lo, int64_t *hi) 
  * asked for this many bytes ahead of the loads, the hardware's stream prefetch alone running short in some minutes: a
  * bfloat16 step of the shipped model at one row on a Zen 5 EPYC 5.5 -> 4.9 and 5.8 -> 5.4 ms in fast-memory minutes
  * (~80 GB/s read), 7.5 -> 6.7 in slow ones (~50) of one hour and no different in a later hour's; float32 ~3%; 4 KB
- * ahead close, 16 KB and into L2 (T1) less; never slower (BENCHMARKS.md, eighteenth session). */
+ * ahead close, 16 KB and into L2 (T1) less; never slower (BENCHMARKS.md, eighteenth session). Asked for as
+ * non-temporal (NTA): lines read once a step need not push out of the caches what the next step reads again (the
+ * context's K and V, the interpreter's own working set between steps): at one row 2.8% off the bfloat16 step in a
+ * fast-memory minute, 3.1% in a slow one, 2.7% float32, each in every round of an in-process A/B; no different at
+ * 4 or 16 rows (and where the next tile is asked for, batch > ROWS, T0 stays: no different either; twentieth
+ * session). */
 #ifndef TILE_AHEAD_BYTES
 #define TILE_AHEAD_BYTES 8192
+#endif
+#ifndef TILE_AHEAD_HINT
+#define TILE_AHEAD_HINT _MM_HINT_NTA
 #endif
 #define PF_TILES 4 /* prefetch the weight rows this many tiles ahead: ~2-4% over one (measured, AVX2 EPYC) */
 
@@ -154,7 +162,7 @@ INLINE void dot_tile_f32(const float *w, int64_t in, int tiled, int prefetch, co
                 _mm_prefetch((const char *)(tiled ? tile_f32_at(w, in, 1, c, i) + CHANNELS * in : w + (c + CHANNELS) * in + i),
                              _MM_HINT_T0);
             else /* tiled */
-                _mm_prefetch((const char *)tile_f32_at(w, in, 1, c, i) + TILE_AHEAD_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)tile_f32_at(w, in, 1, c, i) + TILE_AHEAD_BYTES, TILE_AHEAD_HINT);
             wv[c] = _mm512_loadu_ps(tile_f32_at(w, in, tiled, c, i));
         }
         for (int r = 0; r < nr; ++r) {
@@ -315,7 +323,7 @@ INLINE void dot_tile_bf16(const uint16_t *w, int64_t in, int tiled, int prefetch
                 _mm_prefetch((const char *)(tiled ? tile_bf16_at(w, in, 1, c, i) + CHANNELS * in : w + (c + CHANNELS) * in + i),
                              _MM_HINT_T0);
             else /* tiled */
-                _mm_prefetch((const char *)tile_bf16_at(w, in, 1, c, i) + TILE_AHEAD_BYTES, _MM_HINT_T0);
+                _mm_prefetch((const char *)tile_bf16_at(w, in, 1, c, i) + TILE_AHEAD_BYTES, TILE_AHEAD_HINT);
             wv[c] = (__m512bh)_mm512_loadu_si512(tile_bf16_at(w, in, tiled, c, i));
         }
         for (int r = 0; r < nr; ++r) {
