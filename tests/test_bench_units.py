@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvmosaic.bench.benchmarks_md import SECTION, replace_section
@@ -119,6 +120,25 @@ def test_auto_reuse_rag_workloads():
             assert r.prompt.startswith(r.warm) and all(d in r.prompt for d in r.docs)
         assert len({tuple(r.docs) for r in reqs}) > 8  # the orders differ
     assert max(len(d.split()) for d in ar.POOL) < 100 < 200 < min(len(d.split()) for d in ar.DOCS)
+
+
+def test_kernel_ab_builds_from_a_revisions_sources(tmp_path):
+    """``benchmarks/kernel_ab.py``'s build A or B from a git revision: every kernel source and header as that
+    revision holds it, beside each other (the headers are included by name), the .c files returned."""
+    import subprocess
+
+    from benchmarks import kernel_ab
+    from kvmosaic.model import kernels
+
+    if subprocess.run(["git", "rev-parse", "HEAD"], cwd=kernel_ab.ROOT, capture_output=True).returncode != 0:
+        pytest.skip("not a git checkout")
+    got = kernel_ab.sources_at("HEAD", tmp_path)
+    assert [p.name for p in got] == [p.name for p in kernels.SOURCES] and all(p.parent == tmp_path for p in got)
+    for path in kernels.SOURCES + kernels.HEADERS:
+        rel = path.resolve().relative_to(kernel_ab.ROOT).as_posix()
+        want = subprocess.run(["git", "show", f"HEAD:{rel}"], cwd=kernel_ab.ROOT, capture_output=True, check=True).stdout
+        assert (tmp_path / path.name).read_bytes() == want
+    assert kernel_ab.sources_at(None, tmp_path) == list(kernels.SOURCES)
 
 
 def test_kl_of_log_probabilities():
