@@ -58,6 +58,28 @@ def test_the_product_over_tiles_equals_the_product_over_rows_bit_for_bit(dtype, 
     torch.testing.assert_close(outs[0].double(), want, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("layout", [decode_tiles.ROWS, decode_tiles.TILES])
+def test_a_gate_up_projections_tiles_are_paired_in_decode_tiles(dtype, layout):
+    """``paired`` (the gate/up projection, gate rows then up rows): in decode tiles gate tile t and up tile t
+    lie side by side, as the step reads them; in rows the halves stay as they are; either way a permutation
+    that ``from_layout`` undoes, and a packed projection still reports its weight in rows."""
+    channels = decode_tiles.tile_shape(dtype)[0]
+    w = _weight(dtype, 4 * channels, 64)  # two tiles of each half
+    kept = decode_tiles.to_layout(w, layout, paired=True)
+    assert torch.equal(decode_tiles.from_layout(kept, layout, paired=True), w)
+    tile = channels * 64
+    if layout == decode_tiles.TILES:
+        plain = decode_tiles.to_tiles(w).flatten()  # gate tiles 0, 1, then up tiles 0, 1
+        order = [0, 2, 1, 3]
+        assert torch.equal(kept.flatten(), torch.cat([plain[i * tile : (i + 1) * tile] for i in order]))
+    else:
+        assert torch.equal(kept, w)
+    assert decode_tiles.pairable(w) and not decode_tiles.pairable(_weight(dtype, 3 * channels, 64))
+    if packing_supported(dtype, torch.device("cpu")) and layout == decode_tiles.step_layout(dtype):
+        layer = PackedLinear(w.clone())
+        assert torch.equal(layer.decode_weight(paired=True), kept) and torch.equal(layer.weight, w)
+
+
 def test_a_packed_projection_in_the_step_layout_keeps_one_copy_and_its_results(dtype):
     if not packing_supported(dtype, torch.device("cpu")):
         pytest.skip("no oneDNN packing in this torch")

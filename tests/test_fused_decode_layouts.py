@@ -21,11 +21,11 @@ from tests.test_fused_decode import FUSED_LOGIT_TOL, _around_fused_steps, _fused
 def _in_layout(fused: FusedDecode, layout: int) -> FusedDecode:
     """The same step over its dense weights and its head in ``layout`` (the C step reads the head in the
     projections' layout)."""
-    def convert(t: torch.Tensor, was: int) -> torch.Tensor:
-        return decode_tiles.to_layout(decode_tiles.from_layout(t, was), layout)
+    def convert(t: torch.Tensor, was: int, paired: bool = False) -> torch.Tensor:
+        return decode_tiles.to_layout(decode_tiles.from_layout(t, was, paired), layout, paired)
 
-    weights = [[convert(t, fused.layout) if i in (0, 3, 6, 9) else t for i, t in enumerate(layer)]
-               for layer in fused.weights]
+    weights = [[convert(t, fused.layout, paired=i == 6) if i in (0, 3, 6, 9) else t for i, t in enumerate(layer)]
+               for layer in fused.weights]  # w of qkv, o, gate/up (its halves paired in decode tiles), down
     other = FusedDecode(fused.model, weights, fused.dtype, layout=layout)
     other.head = None if fused.head is None else (fused.head[0], convert(fused.head[1], fused.layout))
     return other

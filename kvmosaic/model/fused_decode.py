@@ -55,12 +55,13 @@ def kv_ahead_bytes() -> int:
     return KV_AHEAD_BYTES if decode_tiles.interleave() else 0
 
 
-def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, ...] | None:
+def _projection_weight(module: nn.Module, dtype: torch.dtype, paired: bool = False) -> tuple[torch.Tensor, ...] | None:
     """What the C step reads of a projection, as its ``(w, d, m)`` pointers: the ``[out, in]``
     weight in ``dtype`` of a bias-free plain or packed projection, in the step's layout
     (model/decode_tiles.py: a packed projection keeps it instead of its rows, a plain one gets a
     copy where it is interleaved; d, m none), or the Q4_1 blocks of a GGUF projection (``quant_gguf.Q4_1Linear``:
-    nibbles, scales, minima) in float32 or bfloat16; else None."""
+    nibbles, scales, minima) in float32 or bfloat16; else None. ``paired``: the gate/up projection, whose
+    halves the step reads paired (``decode_tiles.to_step_layout``)."""
     if type(module) is Q4_1Linear:
         ok = dtype in (torch.float32, torch.bfloat16) and module.gemv and module.qs.device.type == "cpu"
         return (module.qs, module.d, module.m) if ok else None
@@ -70,9 +71,11 @@ def _projection_weight(module: nn.Module, dtype: torch.dtype) -> tuple[torch.Ten
         return None
     w = module.kept if type(module) is PackedLinear else module.weight
     if w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu" \
-            or not decode_tiles.tileable(w, decode_tiles.step_layout(dtype)):
+            or not decode_tiles.tileable(w, decode_tiles.step_layout(dtype)) or (paired and not decode_tiles.pairable(w)):
         return None
-    return (module.decode_weight(),) if type(module) is PackedLinear else (decode_tiles.to_step_layout(w),)
+    if type(module) is PackedLinear:
+        return (module.decode_weight(paired),)
+    return (decode_tiles.to_step_layout(w, paired),)
 
 
 def _step_head(model: nn.Module, dtype: torch.dtype, layout: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -153,7 +156,8 @@ class FusedDecode:
             if type(layer) is not DecoderLayer or layer.qkv_bias is not None or layer.q_norm is not None \
                     or layer.window is not None or layer.softcap is not None or layer.scale != model.layers[0].scale:
                 return None
-            projections = [_projection_weight(getattr(layer, name), dtype) for name in PROJECTIONS]
+            projections = [_projection_weight(getattr(layer, name), dtype, paired=name == "gate_up_proj")
+                           for name in PROJECTIONS]
             norms = [layer.input_layernorm, layer.post_attention_layernorm]
             if any(p is None for p in projections) or any(type(n) is not RMSNorm or n.weight.dtype != dtype
                                                            for n in norms):

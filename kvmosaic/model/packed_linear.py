@@ -36,6 +36,7 @@ class PackedLinear(nn.Module):
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.register_buffer("kept", weight.detach(), persistent=False)  # rows, or the step's layout once _in_step_layout
         self._in_step_layout = False
+        self._paired = False  # a gate/up projection's halves paired in the step's layout (decode_tiles.to_step_layout)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
         self.tile_rows: tuple[int, int] | None = None  # spans of (first, last) rows take the tile GEMM
         self.padded_rows = False  # oneDNN's spans past PAD_PAST rows called at padded_row_count's counts
@@ -44,13 +45,15 @@ class PackedLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The ``[out, in]`` weight (after :meth:`decode_weight`, rebuilt from the step's layout: a copy
         where it is interleaved)."""
-        return decode_tiles.from_step_layout(self.kept) if self._in_step_layout else self.kept
+        return decode_tiles.from_step_layout(self.kept, self._paired) if self._in_step_layout else self.kept
 
-    def decode_weight(self) -> torch.Tensor:
-        """The weight in the fused decode step's layout (``decode_tiles.to_step_layout``), kept from
-        now on instead of the rows (``tileable`` must hold)."""
+    def decode_weight(self, paired: bool = False) -> torch.Tensor:
+        """The weight in the fused decode step's layout (``decode_tiles.to_step_layout``, ``paired`` for a
+        gate/up projection), kept from now on instead of the rows (``tileable`` must hold, and
+        ``pairable`` where ``paired``); a second call returns it as the first made it."""
         if not self._in_step_layout:
-            self.kept, self._in_step_layout = decode_tiles.to_step_layout(self.kept), True
+            self.kept = decode_tiles.to_step_layout(self.kept, paired)
+            self._in_step_layout, self._paired = True, paired
         return self.kept
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -76,7 +76,8 @@ static void NAME(project)(Weight w, int layout, int64_t in, int64_t out, const E
 
 /* act [batch, inter] = silu(gate) * up, gate and up the two halves of x @ w^T, each rounded to
  * the dtype first, silu (elementwise.h's, as the layer path's) and the product too (w [2 * inter,
- * in]: gate rows, then up rows; dense, in ``layout``, or Q4_1 blocks). */
+ * in]: gate rows, then up rows; dense, in ``layout`` — in decode tiles with the halves' tiles paired,
+ * decode_tiles.to_step_layout — or Q4_1 blocks). */
 static void NAME(gate_up_silu)(Weight weight, int layout, int64_t in, int64_t inter, const ELEM *x, int64_t batch,
                                ELEM *act, float *xsum) {
 #if !IS_BF16 && defined(Q4_1_AVX2)
@@ -101,11 +102,14 @@ static void NAME(gate_up_silu)(Weight weight, int layout, int64_t in, int64_t in
     const int tiled = layout == LAYOUT_TILES, prefetch = prefetch_next(tiled, batch);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < inter / CHANNELS; ++t) {
+        /* in decode tiles gate tile t and up tile t lie side by side (decode_tiles.pair_halves); in rows, the halves */
+        const ELEM *gate_w = tiled ? w + 2 * t * CHANNELS * in : w + t * CHANNELS * in;
+        const ELEM *up_w = tiled ? gate_w + CHANNELS * in : w + (inter + t * CHANNELS) * in;
         for (int64_t r0 = 0; r0 < batch; r0 += ROWS) {
             const int nr = batch - r0 < ROWS ? (int)(batch - r0) : ROWS;
             float gate[ROWS][CHANNELS], up[ROWS][CHANNELS];
-            NAME(dots)(w + t * CHANNELS * in, in, tiled, prefetch, x + r0 * in, in, nr, gate);
-            NAME(dots)(w + (inter + t * CHANNELS) * in, in, tiled, prefetch, x + r0 * in, in, nr, up);
+            NAME(dots)(gate_w, in, tiled, prefetch, x + r0 * in, in, nr, gate);
+            NAME(dots)(up_w, in, tiled, prefetch, x + r0 * in, in, nr, up);
             for (int r = 0; r < nr; ++r)
                 for (int c = 0; c < CHANNELS; ++c) {
                     const float g = ROUND(gate[r][c]);
