@@ -104,8 +104,8 @@ def to_layout(w: torch.Tensor, layout: int, paired: bool = False) -> torch.Tenso
     """``w`` (``tileable`` in ``layout``) in ``layout``: a new tensor, or ``w`` itself for ``ROWS``.
     ``paired``: a gate/up projection (gate rows, then up rows; ``pairable``), whose decode tiles then
     alternate, gate tile t and up tile t side by side (``pair_halves``): the step reads both for each t,
-    so they are one stream for the hardware prefetcher instead of two (a batch-1 bfloat16 step 3.2%
-    faster, every round of an in-process A/B on a Zen 5 EPYC; BENCHMARKS.md, twentieth session). Only
+    so they are one stream for the hardware prefetcher instead of two (a batch-1 bfloat16 step 3-4%
+    faster in in-process A/Bs on a Zen 5 EPYC, float32 0.7%; BENCHMARKS.md, twentieth session). Only
     in ``TILES``: in rows and on the tile unit the step reads the halves as they are."""
     if paired and layout == TILES:
         w = pair_halves(w, tile_shape(w.dtype)[0])

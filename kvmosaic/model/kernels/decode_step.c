@@ -104,9 +104,9 @@ INLINE void static_share(int64_t n, int me, int team, int64_t *lo, int64_t *hi) 
  * ahead close, 16 KB and into L2 (T1) less; never slower (BENCHMARKS.md, eighteenth session). Asked for as
  * non-temporal (NTA): lines read once a step need not push out of the caches what the next step reads again (the
  * context's K and V, the interpreter's own working set between steps): at one row 2.8% off the bfloat16 step in a
- * fast-memory minute, 3.1% in a slow one, 2.7% float32, each in every round of an in-process A/B; no different at
- * 4 or 16 rows (and where the next tile is asked for, batch > ROWS, T0 stays: no different either; twentieth
- * session). */
+ * fast-memory minute, 3.1-4.6% in slow ones, each in every round of an in-process A/B; float32 2.7% in one run, 0.9%
+ * in another (4 rounds of 6); no different at 4 or 16 rows (and where the next tile is asked for, batch > ROWS, T0
+ * stays: no different either; benchmarks/kernel_ab.py, twentieth session). */
 #ifndef TILE_AHEAD_BYTES
 #define TILE_AHEAD_BYTES 8192
 #endif

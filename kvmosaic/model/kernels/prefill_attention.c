@@ -39,16 +39,8 @@
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-/* ROWS query rows of one head (rows i0.. of the span; row r sees keys 0..last[r]) against the
- * packed context; DV = D / 16 output vectors per row. Writes bfloat16 rows of out.
- *
- * The keys go by in passes of SUPER (from the context's first key, whatever the span): the
- * pass's scores, BLOCK keys at a time into a buffer (and each row's running top); then each
- * row's probabilities from them against the row's maximum so far, rounded to bfloat16; then
- * P.V over the whole pass with the accumulators in registers. The online softmax's rescaling,
- * its horizontal reductions and the accumulators' trips to the stack happen once a pass, not
- * once a BLOCK (the rescaling had held the tile at ~2/3 of the bfloat16 GEMM's rate). */
-/* P.V over a pass for rows [R0, R1) of the tile (constants: their sums stay in registers), in DEFINE_TILE. */
+/* In DEFINE_TILE: P.V over a pass of width keys for rows [R0, R1) of the tile (constants, so that their sums
+ * stay in registers). */
 #define PV_ROWS(DV, R0, R1)                                                                                          \
     for (int64_t kp = 0; kp < width / 2; ++kp) {                                                                     \
         __m512bh vv[DV];                                                                                             \
@@ -59,6 +51,15 @@
         }                                                                                                            \
     }
 
+/* ROWS query rows of one head (rows i0.. of the span; row r sees keys 0..last[r]) against the
+ * packed context; DV = D / 16 output vectors per row. Writes bfloat16 rows of out.
+ *
+ * The keys go by in passes of SUPER (from the context's first key, whatever the span): the
+ * pass's scores, BLOCK keys at a time into a buffer (and each row's running top); then each
+ * row's probabilities from them against the row's maximum so far, rounded to bfloat16; then
+ * P.V over the whole pass with the accumulators in registers. The online softmax's rescaling,
+ * its horizontal reductions and the accumulators' trips to the stack happen once a pass, not
+ * once a BLOCK (the rescaling had held the tile at ~2/3 of the bfloat16 GEMM's rate). */
 #define DEFINE_TILE(NAME, ROWS, DV)                                                                                  \
     static void NAME(const uint16_t *const *q_rows, const int64_t *last, int nr, const uint16_t *kt,               \
                      const uint16_t *vt, float scale, uint16_t *const *out_rows) {                                  \
