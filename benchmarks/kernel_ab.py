@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import os
 import random
-import shutil
 import statistics
 import subprocess
 import tempfile
@@ -53,13 +51,11 @@ def sources_at(rev: str | None, into: Path) -> list[Path]:
 
 def build(rev: str | None, defines: str, out: Path) -> ctypes.CDLL:
     """The library from ``rev``'s sources (None: the working tree's) with ``defines``, loaded and declared."""
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = kernels.compiler()
+    if cc is None:
         raise SystemExit("no C compiler")
     with tempfile.TemporaryDirectory() as tmp:
-        sources = sources_at(rev, Path(tmp))
-        flags = kernels.FLAGS + [f"-D{name}" for name in defines.split()]
-        subprocess.run([compiler, *flags, *map(str, sources), "-o", str(out)], check=True)
+        kernels.compile_library(cc, sources_at(rev, Path(tmp)), defines.split(), out)
     return kernels._declared(ctypes.CDLL(str(out)))
 
 

@@ -74,30 +74,41 @@ def _build(compiler: str) -> Path:
     parallel processes race harmlessly) when not cached yet."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
     texts = [path.read_text() for path in SOURCES + HEADERS]
-    flags = FLAGS + [f"-D{name}" for name in os.environ.get("KVMOSAIC_KERNEL_DEFINES", "").split()]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, _cpu_flags()]).encode()).hexdigest()[:16]
+    defines = os.environ.get("KVMOSAIC_KERNEL_DEFINES", "").split()
+    key = hashlib.sha256("\0".join([*texts, *FLAGS, *(f"-D{d}" for d in defines), version, _cpu_flags()]).encode()).hexdigest()[:16]
     target = _cache_dir() / f"kvmosaic-kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         built = Path(tmp) / target.name
-        subprocess.run([compiler, *flags, *map(str, SOURCES), "-o", str(built)], check=True, capture_output=True,
-                       text=True, timeout=300)
+        compile_library(compiler, SOURCES, defines, built)
         os.replace(built, target)
     return target
+
+
+def compiler() -> str | None:
+    """The C compiler the kernels are built with: ``$CC``, else ``cc`` or ``gcc`` on the PATH."""
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def compile_library(cc: str, sources: list[Path], defines: list[str], out: Path) -> None:
+    """``sources`` (their headers beside them) compiled with :data:`FLAGS` and ``-D`` ``defines`` into the
+    shared library ``out``."""
+    subprocess.run([cc, *FLAGS, *(f"-D{d}" for d in defines), *map(str, sources), "-o", str(out)], check=True,
+                   capture_output=True, text=True, timeout=300)
 
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
     if os.environ.get("KVMOSAIC_KERNELS", "1") == "0":
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
+    cc = compiler()
+    if cc is None:
         log.info("no C compiler: decode attention uses the torch path")
         return None
     try:
-        lib = ctypes.CDLL(str(_build(compiler)))
+        lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("CPU kernel build failed, decode attention uses the torch path: %s", str(detail)[-500:])
