@@ -16,8 +16,11 @@ caps and checks of the schema itself are fuzzed as generated.
 from __future__ import annotations
 
 import collections
-import threading
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -38,67 +41,29 @@ ERROR_KEYS = {"message", "type", "param", "code"}
 
 
 class Beside:
-    """A streaming victim (one long completion after another) and ``/health/live`` pings."""
+    """A streaming victim (one long completion after another) and ``/health/live`` pings in a
+    process of their own (``stream_victim.py``), so that what they measure is the server, not this
+    process's request generator; their figures are read when the block ends."""
 
     def __init__(self, url: str) -> None:
-        self.url, self.stop = url, threading.Event()
+        self.url = url
         self.gaps: list[float] = []  # between two chunks of one stream
         self.first: list[float] = []  # request sent to first chunk
         self.pings: list[float] = []
         self.streams = 0
         self.errors: list[str] = []
-        self.threads = [threading.Thread(target=self._victim), threading.Thread(target=self._ping)]
+        self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> Beside:
-        for t in self.threads:
-            t.start()
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).with_name("stream_victim.py")), self.url],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         return self
 
     def __exit__(self, *exc) -> None:
-        self.stop.set()
-        for t in self.threads:
-            t.join()
-
-    def _victim(self) -> None:
-        body = {"prompt": "Once upon a time, in a land far away,", "max_tokens": 120, "ignore_eos": True,
-                "stream": True}
-        with httpx.Client(timeout=60) as c:
-            while not self.stop.is_set():
-                sent, last = time.perf_counter(), None
-                try:
-                    with c.stream("POST", self.url + "/v1/completions", json=body) as r:
-                        if r.status_code != 200:
-                            self.errors.append(f"victim got {r.status_code}")
-                            return
-                        for line in r.iter_lines():
-                            if not line.startswith("data: "):
-                                continue
-                            now = time.perf_counter()
-                            if last is None:
-                                self.first.append(now - sent)
-                            else:
-                                self.gaps.append(now - last)
-                            last = now
-                            if self.stop.is_set():
-                                break
-                    self.streams += 1
-                except httpx.HTTPError as e:
-                    self.errors.append(f"victim: {type(e).__name__}: {e}")
-                    return
-
-    def _ping(self) -> None:
-        with httpx.Client(timeout=60) as c:
-            while not self.stop.is_set():
-                t = time.perf_counter()
-                try:
-                    ok = c.get(self.url + "/health/live").status_code == 200
-                except httpx.HTTPError as e:
-                    self.errors.append(f"ping: {type(e).__name__}")
-                    ok = False
-                self.pings.append(time.perf_counter() - t)
-                if not ok:
-                    self.errors.append("ping failed")
-                time.sleep(0.05)
+        out, _ = self.proc.communicate("", timeout=120)  # stdin closed: it stops and reports
+        figures = json.loads(out)
+        self.gaps, self.first, self.pings = figures["gaps"], figures["first"], figures["pings"]
+        self.streams, self.errors = figures["streams"], figures["errors"]
 
 
 def cap_new_tokens(case) -> None:
