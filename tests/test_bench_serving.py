@@ -153,3 +153,34 @@ def test_llama_server_runs_without_its_amx_repacking_where_the_cpu_has_amx(amx, 
     argv = serve_peers.llama_server_argv(tmp_path / "model.gguf", threads=2)
     assert argv[0] == str(exe) and argv[argv.index("-t") + 1] == "2"
     assert ("--no-repack" in argv) is amx
+
+
+def test_both_clients_time_the_same_streams_and_report_a_refusal():
+    """``--client aiohttp`` (event lines, as vLLM's bench reads them) and ``--client openai`` send
+    the same body and count the same tokens from a real server's streams; a request the server
+    refuses is a failed result with the server's status, not an exception."""
+    import asyncio
+
+    from kvmosaic.bench.serve_client import CLIENTS, run_level
+    from kvmosaic.bench.serve_peers import make_server_peer
+
+    peer = make_server_peer("kvmosaic-hash", "float32", None, None, "--num-kv-blocks 64 --max-model-len 256")
+    try:
+        peer.start()
+        convs = [[{"role": "user", "content": f"Count to ten, then say {w}."}] for w in ("red", "blue")]
+        seen = {}
+        for n, kind in enumerate((*CLIENTS, CLIENTS[0])):  # after the first pass the prompts are cached
+            results, wall, _ = asyncio.run(run_level(peer, convs, 6, 2, None, 0, [0, 0], kind))
+            assert wall > 0 and all(r.ok for r in results), [r.error for r in results]
+            seen[kind] = [(r.prompt_tokens, r.completion_tokens, r.usage_reported, len(r.chunk_times)) for r in results]
+            assert all(r.completion_tokens == 6 and r.prompt_tokens > 16 and 0 < r.ttft <= r.e2e for r in results)
+            assert all(r.chunk_times == sorted(r.chunk_times) for r in results)
+            cached = [r.cached_tokens for r in results]
+            assert (cached[0] == 0) if n == 0 else min(cached) >= 16, cached
+        assert seen["aiohttp"] == seen["openai"]
+        # 300 new tokens do not fit a 256-token context: the server answers 400, the client reports it
+        for kind in CLIENTS:
+            (refused,), _, _ = asyncio.run(run_level(peer, convs[:1], 300, 1, None, 0, [0], kind))
+            assert not refused.ok and "400" in refused.error, refused.error
+    finally:
+        peer.stop()
