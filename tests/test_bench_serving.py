@@ -176,7 +176,7 @@ def test_both_clients_time_the_same_streams_and_report_a_refusal():
             assert all(r.completion_tokens == 6 and r.prompt_tokens > 16 and 0 < r.ttft <= r.e2e for r in results)
             assert all(r.chunk_times == sorted(r.chunk_times) for r in results)
             cached = [r.cached_tokens for r in results]
-            assert (cached[0] == 0) if n == 0 else min(cached) >= 16, cached
+            assert (min(cached) == 0) if n == 0 else min(cached) >= 16, cached  # a fresh server: one prompt is new
         assert seen["aiohttp"] == seen["openai"]
         # 300 new tokens do not fit a 256-token context: the server answers 400, the client reports it
         for kind in CLIENTS:

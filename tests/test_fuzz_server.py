@@ -61,6 +61,8 @@ class Beside:
 
     def __exit__(self, *exc) -> None:
         out, _ = self.proc.communicate("", timeout=120)  # stdin closed: it stops and reports
+        if not out:
+            raise RuntimeError(f"the victim's process exited with {self.proc.returncode} and no figures")
         figures = json.loads(out)
         self.gaps, self.first, self.pings = figures["gaps"], figures["first"], figures["pings"]
         self.streams, self.errors = figures["streams"], figures["errors"]

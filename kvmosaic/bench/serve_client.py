@@ -5,8 +5,9 @@ each request's chunks, and sample kvmosaic's KV pool from ``/health`` meanwhile.
 Two clients (``--client``), the same requests and the same timing: ``aiohttp`` reads the
 server-sent events as vLLM's ``vllm bench serve`` does (a line, ``json.loads``), and ``openai`` is
 the official ``AsyncOpenAI`` client, which builds a typed object per chunk. The client shares the
-machine with the server it measures: on two cores ``openai``'s ~0.55 ms of CPU a chunk against
-``aiohttp``'s ~0.2 ms is taken from the server's decode, whichever peer it is.
+machine with the server it measures: on two cores ``openai``'s ~0.46 ms of CPU a chunk against
+``aiohttp``'s ~0.21 ms (``benchmarks/client_cost.py``) is taken from the server's decode, whichever
+peer it is.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,31 +43,23 @@ class RequestResult:
 CLIENTS = ("aiohttp", "openai")
 
 
-async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens: int,
-                      prompt_estimate: int = 0) -> RequestResult:
-    """One streamed chat request through the ``openai`` client. Token counts come from the
-    response's usage; a server that sends none (llama-cpp-python's streams) is counted by the
-    client: ``prompt_estimate`` (the prompt tokenized with the model's tokenizer) and one token per
-    content chunk."""
-    kwargs = {"stream_options": {"include_usage": True}} if peer.usage_option else {}
+async def timed(events: AsyncIterator[tuple[bool, tuple[int, int, int] | None]], prompt_estimate: int) -> RequestResult:
+    """One streamed request timed as ``events`` yields its chunks — whether a chunk has content,
+    and the usage it carries, as (prompt, completion, cached) tokens, or None — counted from the
+    moment the first is asked for (which sends the request). A server that sends no usage
+    (llama-cpp-python's streams) is counted by the client: ``prompt_estimate`` (the prompt tokenized
+    with the model's tokenizer) and one token per content chunk. Any error is a failed result."""
     start = time.perf_counter()
     res = RequestResult(ok=False, start=start)
     try:
-        stream = await client.chat.completions.create(
-            model=peer.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
-            extra_body=peer.extra_body or None, **kwargs)
         chunks = 0
-        async for chunk in stream:
-            now = time.perf_counter() - start
-            if chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content:
-                res.chunk_times.append(now)
+        async for content, usage in events:
+            if content:
+                res.chunk_times.append(time.perf_counter() - start)
                 chunks += 1
-            if chunk.usage is not None:
+            if usage is not None:
                 res.usage_reported = True
-                res.prompt_tokens = chunk.usage.prompt_tokens or 0
-                res.completion_tokens = chunk.usage.completion_tokens or 0
-                details = getattr(chunk.usage, "prompt_tokens_details", None)
-                res.cached_tokens = (getattr(details, "cached_tokens", 0) or 0) if details else 0
+                res.prompt_tokens, res.completion_tokens, res.cached_tokens = usage
         res.e2e = time.perf_counter() - start
         res.ttft = res.chunk_times[0] if res.chunk_times else None
         res.completion_tokens = res.completion_tokens or chunks
@@ -74,48 +68,52 @@ async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens
     except Exception as err:  # noqa: BLE001 - counted as a failed request and reported
         res.error = f"{type(err).__name__}: {str(err)[:200]}"
     return res
+
+
+async def one_request(client, peer: ServerPeer, messages: list[dict], max_tokens: int,
+                      prompt_estimate: int = 0) -> RequestResult:
+    """One streamed chat request through the ``openai`` client (:func:`timed`)."""
+    kwargs = {"stream_options": {"include_usage": True}} if peer.usage_option else {}
+
+    async def events():
+        stream = await client.chat.completions.create(
+            model=peer.model, messages=messages, max_tokens=max_tokens, temperature=0.0, stream=True,
+            extra_body=peer.extra_body or None, **kwargs)
+        async for chunk in stream:
+            usage = chunk.usage
+            details = getattr(usage, "prompt_tokens_details", None)
+            yield (bool(chunk.choices and chunk.choices[0].delta and chunk.choices[0].delta.content),
+                   None if usage is None else (usage.prompt_tokens or 0, usage.completion_tokens or 0,
+                                               (getattr(details, "cached_tokens", 0) or 0) if details else 0))
+
+    return await timed(events(), prompt_estimate)
 
 
 async def one_request_sse(session, peer: ServerPeer, messages: list[dict], max_tokens: int,
                           prompt_estimate: int = 0) -> RequestResult:
-    """:func:`one_request` through an ``aiohttp`` session: the same body, the same counts, each
-    ``data:`` line parsed as it arrives."""
+    """:func:`one_request` through an ``aiohttp`` session: the same body, each ``data:`` line parsed
+    as it arrives; a non-200 answer or an error event fails the request."""
     body = {**(peer.extra_body or {}), "model": peer.model, "messages": messages, "max_tokens": max_tokens,
             "temperature": 0.0, "stream": True}
     if peer.usage_option:
         body["stream_options"] = {"include_usage": True}
-    start = time.perf_counter()
-    res = RequestResult(ok=False, start=start)
-    try:
+
+    async def events():
         async with session.post(peer.url + "/v1/chat/completions", json=body) as r:
             if r.status != 200:
                 raise RuntimeError(f"HTTP {r.status}: {(await r.text())[:200]}")
-            chunks = 0
             async for line in r.content:
                 if not line.startswith(b"data: {"):
                     continue
-                now = time.perf_counter() - start
                 chunk = json.loads(line[6:])
                 if "error" in chunk and not chunk.get("choices"):
                     raise RuntimeError(f"error event: {str(chunk['error'])[:200]}")
-                choices = chunk.get("choices")
-                if choices and (choices[0].get("delta") or {}).get("content"):
-                    res.chunk_times.append(now)
-                    chunks += 1
-                usage = chunk.get("usage")
-                if usage:
-                    res.usage_reported = True
-                    res.prompt_tokens = usage.get("prompt_tokens") or 0
-                    res.completion_tokens = usage.get("completion_tokens") or 0
-                    res.cached_tokens = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-        res.e2e = time.perf_counter() - start
-        res.ttft = res.chunk_times[0] if res.chunk_times else None
-        res.completion_tokens = res.completion_tokens or chunks
-        res.prompt_tokens = res.prompt_tokens or prompt_estimate
-        res.ok = True
-    except Exception as err:  # noqa: BLE001 - counted as a failed request and reported
-        res.error = f"{type(err).__name__}: {str(err)[:200]}"
-    return res
+                choices, usage = chunk.get("choices"), chunk.get("usage")
+                yield (bool(choices and (choices[0].get("delta") or {}).get("content")),
+                       None if not usage else (usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0,
+                                               (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0))
+
+    return await timed(events(), prompt_estimate)
 
 
 class PoolSampler:

@@ -96,7 +96,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-tokens", type=int, default=None, help="output tokens per request (default 32, quick 8)")
     g.add_argument("--client", choices=CLIENTS, default=CLIENTS[0],
                    help="the streaming client: aiohttp reads each event line as vLLM's bench serve does; openai "
-                        "is the official AsyncOpenAI, ~0.35 ms more CPU a chunk on the machine it measures")
+                        "is the official AsyncOpenAI, ~0.25 ms more CPU a chunk on the machine it measures")
     g.add_argument("--kvmosaic-args", default="", metavar="ARGS",
                    help="more `kvmosaic serve` flags for the kvmosaic peers, e.g. \"--max-num-batched-tokens 512\"")
 
