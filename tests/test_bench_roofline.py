@@ -140,6 +140,27 @@ def test_the_decode_share_is_of_the_bandwidth_read_around_its_level():
     assert f"| 30.0 / 40.0 | {k.decode_share:.0%} |" in md
 
 
+def test_the_paired_decode_share_is_each_requests_own_reading():
+    """Each paired request's ITL is divided by the reading taken right before it: a request in a slow
+    minute beside a slow reading counts at its own share, whatever the level's readings were; the
+    median and range of those shares are reported (a JSON round trip makes each pair a list)."""
+    s = model_size(None)
+    peak = {"float32": 100.0, "bfloat16": 400.0}
+    roof = Roofline(2, peak, peak, peak, 60.0, 50.0, 2048, 512, 512)
+    step = s.decode_weight_bytes(2.0) / 1e9  # GB a step
+    row = _row("kvmosaic-hash", itl=step / 40.0)  # the level: 40 GB/s ...
+    row.read_gbs_around = [80.0, 80.0]  # ... between two fast readings: 50%
+    row.decode_pairs = [[80.0, step / 60.0], [50.0, step / 40.0], [80.0, step / 56.0]]  # 75%, 80%, 70%
+    (k,) = shares([row], roof, s, "bfloat16")
+    assert k.decode_share == pytest.approx(0.5)
+    assert k.paired_share == pytest.approx(0.75) and k.paired_range == pytest.approx((0.70, 0.80))
+    md = table([k], roof, "bfloat16")
+    assert "| 50% | 75% (70%–80%) |" in md
+    (none,) = shares([_row("vllm-cpu")], roof, s, "bfloat16")  # no pairs taken: no paired share
+    assert none.paired_share is None and none.paired_range is None and md.count("|") > 0
+    assert table([none], roof, "bfloat16").rstrip().endswith("| – |")
+
+
 def test_one_read_bandwidth_reading_at_the_threads_asked_for():
     import torch
 

@@ -94,19 +94,24 @@ def test_workloads_share_a_prefix_only_within_one_level():
 def test_bench_serve_tiny_run_against_one_kvmosaic_server(tmp_path):
     from kvmosaic.cli import main
 
-    rc = main(["bench", "serve", "--quick", "--peers", "kvmosaic-hash", "--serve-workloads", "shared-prefix",
-               "--concurrency", "2", "--requests", "2", "--max-tokens", "24", "--dtype", "float32", "--out", str(tmp_path)])
+    rc = main(["bench", "serve", "--quick", "--peers", "kvmosaic-hash", "--serve-workloads", "shared-prefix,no-reuse",
+               "--concurrency", "2,1", "--requests", "2", "--max-tokens", "24", "--dtype", "float32", "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "serve.json").read_text())
-    (row,) = data["rows"]
+    row = next(r for r in data["rows"] if r["workload"] == "shared-prefix" and r["level"] == 2)
     assert row["peer"] == "kvmosaic-hash" and row["requests"] == 2 and row["failed"] == 0
     assert row["completion_tokens"] == 48 and row["ttft_p50"] > 0 and row["total_tps"] > 0
     # /health is sampled every 0.25 s: 24 tokens keep the level running through several samples (at 3 the
     # level could end before the first one that saw a request, and the peak read 0)
     assert row["num_blocks"] and row["blocks_used_peak"] >= 1
     assert "| shared-prefix | kvmosaic-hash | c=2 |" in (tmp_path / "serve.md").read_text()
-    # The roofline is measured at the start of every run; shares need a c=1 no-reuse level.
-    assert data["roofline"]["read_gbs"] > 0 and data["machine_share"] == []
+    # The roofline is measured at the start of every run; the shares come from the c=1 no-reuse level, its
+    # requests sent again one at a time after it, each after a bandwidth reading of its own.
+    assert data["roofline"]["read_gbs"] > 0
+    (share,) = data["machine_share"]
+    level = next(r for r in data["rows"] if r["workload"] == "no-reuse" and r["level"] == 1)
+    assert len(level["read_gbs_around"]) == 2 and len(level["decode_pairs"]) == 2
+    assert share["decode_share"] > 0 and share["paired_share"] > 0 and share["paired_range"][0] <= share["paired_share"]
     for png in ("serve_throughput.png", "serve_ttft.png"):
         assert (tmp_path / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -158,10 +163,12 @@ def test_llama_server_runs_without_its_amx_repacking_where_the_cpu_has_amx(amx, 
 def test_both_clients_time_the_same_streams_and_report_a_refusal():
     """``--client aiohttp`` (event lines, as vLLM's bench reads them) and ``--client openai`` send
     the same body and count the same tokens from a real server's streams; a request the server
-    refuses is a failed result with the server's status, not an exception."""
+    refuses is a failed result with the server's status, not an exception. The paired decode
+    share's requests go one at a time through either, each after its own bandwidth reading."""
     import asyncio
 
-    from kvmosaic.bench.serve_client import CLIENTS, run_level
+    from kvmosaic.bench.roofline import read_bandwidth
+    from kvmosaic.bench.serve_client import CLIENTS, paired_decode, run_level
     from kvmosaic.bench.serve_peers import make_server_peer
 
     peer = make_server_peer("kvmosaic-hash", "float32", None, None, "--num-kv-blocks 64 --max-model-len 256")
@@ -172,15 +179,30 @@ def test_both_clients_time_the_same_streams_and_report_a_refusal():
         for n, kind in enumerate((*CLIENTS, CLIENTS[0])):  # after the first pass the prompts are cached
             results, wall, _ = asyncio.run(run_level(peer, convs, 6, 2, None, 0, [0, 0], kind))
             assert wall > 0 and all(r.ok for r in results), [r.error for r in results]
-            seen[kind] = [(r.prompt_tokens, r.completion_tokens, r.usage_reported, len(r.chunk_times)) for r in results]
-            assert all(r.completion_tokens == 6 and r.prompt_tokens > 16 and 0 < r.ttft <= r.e2e for r in results)
+            # (a server behind on its stream sends two tokens' text in one chunk: chunks are at most the tokens)
+            seen[kind] = [(r.prompt_tokens, r.completion_tokens, r.usage_reported) for r in results]
+            assert all(r.completion_tokens == 6 and r.prompt_tokens > 16 and 0 < r.ttft <= r.e2e
+                       and 1 <= len(r.chunk_times) <= 6 for r in results)
             assert all(r.chunk_times == sorted(r.chunk_times) for r in results)
             cached = [r.cached_tokens for r in results]
             assert (min(cached) == 0) if n == 0 else min(cached) >= 16, cached  # a fresh server: one prompt is new
         assert seen["aiohttp"] == seen["openai"]
+        # the paired decode share's requests: one at a time, each right after a reading of its own
+        readings = []
+
+        def read() -> float:
+            readings.append(read_bandwidth(1, quick=True))
+            return readings[-1]
+
+        for kind in CLIENTS:
+            readings.clear()
+            pairs = asyncio.run(paired_decode(peer, convs, 12, kind, read))
+            assert len(readings) == 2 and pairs and all(itl > 0 for _, itl in pairs)
+            assert [gbs for gbs, _ in pairs] == [g for g in readings if g in dict(pairs)]  # each its own, in order
         # 300 new tokens do not fit a 256-token context: the server answers 400, the client reports it
         for kind in CLIENTS:
             (refused,), _, _ = asyncio.run(run_level(peer, convs[:1], 300, 1, None, 0, [0], kind))
             assert not refused.ok and "400" in refused.error, refused.error
+        assert asyncio.run(paired_decode(peer, convs[:1], 300, CLIENTS[0], read)) == []  # a refusal: no pair
     finally:
         peer.stop()

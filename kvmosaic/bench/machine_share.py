@@ -11,12 +11,18 @@ the same threads.
   was measured on the reading moved between ~33 and ~60 GB/s from one minute to the next, so one
   reading at the run's start made the share a matter of timing. KV reads are not counted (at ~750
   tokens of context a few percent of the weights in bfloat16).
+- paired decode share: the same bytes / each of a few requests' own ITL p50, sent one at a time after
+  the level, each right after a reading of its own (``serving.PAIRED_REQUESTS``,
+  ``serve_client.paired_decode``) — the median and range of those shares. On a VM whose bandwidth
+  flips between two modes from one minute to the next, a level can run in one mode between two
+  readings in the other; a request and the reading a second before it share their minute.
 
 Parameter counts and stored bytes come from the model's own files (:mod:`.model_size`).
 """
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 
 from .model_size import ModelSize
@@ -46,6 +52,8 @@ class MachineShare:
     decode_share: float | None  # of read_gbs
     read_gbs: float = 0.0  # the read bandwidth the decode share is of
     read_around: tuple[float, float] | None = None  # the readings before and after the level, where taken
+    paired_share: float | None = None  # median over the paired requests of their share of their own reading
+    paired_range: tuple[float, float] | None = None  # the lowest and highest of those shares
 
 
 def weight_format(peer: str, dtype: str, size: ModelSize) -> tuple[str, float | None]:
@@ -70,9 +78,13 @@ def shares(rows: list[LevelResult], roofline: Roofline, size: ModelSize, dtype: 
         label, per_weight = weight_format(r.peer, dtype, size)
         gbs = size.decode_weight_bytes(per_weight) / r.itl_p50 / 1e9 if r.itl_p50 else None
         read = sum(r.read_gbs_around) / 2 if r.read_gbs_around else roofline.read_gbs
+        step_bytes = size.decode_weight_bytes(per_weight)
+        paired = sorted(step_bytes / itl / 1e9 / gbs for gbs, itl in r.decode_pairs or [] if itl > 0 and gbs > 0)
         out.append(MachineShare(r.peer, label, new, r.ttft_p50, gflops, gflops / roofline.gemm_gflops[dtype],
                                 r.itl_p50, gbs, gbs / read if gbs is not None else None, read,
-                                tuple(r.read_gbs_around) if r.read_gbs_around else None))
+                                tuple(r.read_gbs_around) if r.read_gbs_around else None,
+                                statistics.median(paired) if paired else None,
+                                (paired[0], paired[-1]) if paired else None))
     return out
 
 
@@ -82,12 +94,16 @@ def table(entries: list[MachineShare], roofline: Roofline, dtype: str) -> str:
              *[f"- {line}" for line in roofline.lines()],
              f"- prefill share: of the {dtype} GEMM peak ({roofline.gemm_gflops[dtype]:,.0f} GFLOP/s); decode share: of "
              "the read bandwidth measured right before and after the peer's level (their mean); see "
-             "kvmosaic/bench/machine_share.py for the counts", "",
+             "kvmosaic/bench/machine_share.py for the counts; paired: requests sent one at a time after the level, "
+             "each right after a reading of its own (median and range of their shares)", "",
              "| engine | weights | new prompt tok | TTFT p50 ms | prefill GFLOP/s | at % of GEMM peak | ITL p50 ms "
-             "| decode weight GB/s | read GB/s before / after | at % of bandwidth |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| decode weight GB/s | read GB/s before / after | at % of bandwidth | paired: at % of own reading |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for e in entries:
         decode = ("–", "–") if e.decode_gbs is None else (f"{e.decode_gbs:,.1f}", f"{e.decode_share:.0%}")
         read = f"{e.read_around[0]:,.1f} / {e.read_around[1]:,.1f}" if e.read_around else f"{e.read_gbs:,.1f} (run start)"
+        paired = "–" if e.paired_share is None else \
+            f"{e.paired_share:.0%} ({e.paired_range[0]:.0%}–{e.paired_range[1]:.0%})"
         lines.append(f"| {e.peer} | {e.weights} | {e.new_tokens:,.0f} | {format_ms(e.ttft_s)} | {e.prefill_gflops:,.0f} "
-                     f"| {e.prefill_share:.0%} | {format_ms(e.itl_s)} | {decode[0]} | {read} | {decode[1]} |")
+                     f"| {e.prefill_share:.0%} | {format_ms(e.itl_s)} | {decode[0]} | {read} | {decode[1]} | {paired} |")
     return "\n".join(lines)

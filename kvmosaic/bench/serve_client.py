@@ -16,7 +16,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -207,3 +207,22 @@ async def run_level(peer: ServerPeer, convs: list[list[dict]], max_tokens: int, 
         await sampling
     await client.close()
     return [r for r in results if r is not None], wall, sampler.summary() if sampler else None
+
+
+async def paired_decode(peer: ServerPeer, convs: list[list[dict]], max_tokens: int, client_kind: str,
+                        read: Callable[[], float]) -> list[tuple[float, float]]:
+    """For each conversation: ``read()`` (the machine's read bandwidth, GB/s, the server idle), then
+    the request alone; its (reading, ITL p50 in seconds). Requests that fail or stream fewer than two
+    content chunks are left out."""
+    client, send = open_client(client_kind, peer)
+    pairs = []
+    try:
+        for conv in convs:
+            gbs = read()
+            res = await send(client, peer, conv, max_tokens)
+            gaps = [b - a for a, b in zip(res.chunk_times, res.chunk_times[1:])]
+            if res.ok and gaps:
+                pairs.append((gbs, float(np.median(gaps))))
+    finally:
+        await client.close()
+    return pairs

@@ -60,6 +60,10 @@ class LevelResult:
     # the read bandwidth (GB/s) measured right before and right after the level, where measured (the
     # decode share's level: machine_share.py); this VM's bandwidth moved ~2x between minutes
     read_gbs_around: tuple[float, float] | None = None
+    # after the decode share's level: (read GB/s, ITL p50 s) of requests sent one at a time, each right
+    # after a reading of its own (serve_client.paired_decode), so that a step and the bandwidth it is
+    # a share of are measured in the same minute
+    decode_pairs: list[tuple[float, float]] | None = None
 
 
 def summarize_level(peer: str, workload: str, mode: str, level: float, results: list[RequestResult],

@@ -42,7 +42,7 @@ from .machine_share import table as share_table
 from .model_size import model_size
 from .roofline import measure as measure_roofline
 from .roofline import read_bandwidth
-from .serve_client import CLIENTS, PoolSampler, RequestResult, one_request, run_level
+from .serve_client import CLIENTS, PoolSampler, RequestResult, one_request, paired_decode, run_level
 from .serve_peers import (  # re-exported (__all__)
     DEFAULT_SERVE_PEERS,
     KVMOSAIC_SERVE,
@@ -82,6 +82,11 @@ __all__ = [
     "one_request", "percentile", "plot", "prompt_tokens", "render", "run", "run_level", "serve_requests",
     "summarize_level", "table", "unavailable_reason",
 ]
+
+
+# Requests of the decode share's level sent again one at a time, each after a bandwidth reading of its own
+# (serve_client.paired_decode; machine_share.py's paired share)
+PAIRED_REQUESTS = 8
 
 
 # ---- command line ------------------------------------------------------------------------------
@@ -181,6 +186,9 @@ def run(args: argparse.Namespace) -> int:
                 row = summarize_level(name, wl, mode, level, res, wall, pool, cpu)
                 if read_before is not None:
                     row.read_gbs_around = (read_before, read_bandwidth(args.threads, args.quick))
+                    row.decode_pairs = asyncio.run(paired_decode(
+                        peer, convs[:PAIRED_REQUESTS], sizes.max_tokens, args.client,
+                        lambda: read_bandwidth(args.threads, args.quick)))
                 rows.append(row)
                 # partial results survive an interrupted run
                 (out / "serve.partial.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
