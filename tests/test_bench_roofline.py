@@ -167,3 +167,20 @@ def test_one_read_bandwidth_reading_at_the_threads_asked_for():
     before = torch.get_num_threads()
     assert read_bandwidth(1, quick=True) > 0
     assert torch.get_num_threads() == before
+
+
+def test_a_read_probe_reads_its_one_buffer_at_the_threads_asked_for(monkeypatch):
+    """Readings over the buffer made with the probe (no allocation per reading: one before a request
+    slowed that request's decode), within the range read_bandwidth gives, torch's threads as before."""
+    import torch
+
+    from kvmosaic.bench.roofline import ReadProbe
+
+    monkeypatch.setattr(ReadProbe, "SETTLE_S", 0.0)
+    before = torch.get_num_threads()
+    probe = ReadProbe(1, quick=True)
+    buffer = probe.buffer.data_ptr()
+    readings = [probe.read() for _ in range(3)]
+    assert all(r > 0 for r in readings) and probe.buffer.data_ptr() == buffer
+    assert probe.buffer.numel() * 4 == 128 * 2**20  # --quick's buffer, as read_bandwidth's
+    assert torch.get_num_threads() == before

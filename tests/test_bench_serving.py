@@ -167,7 +167,7 @@ def test_both_clients_time_the_same_streams_and_report_a_refusal():
     share's requests go one at a time through either, each after its own bandwidth reading."""
     import asyncio
 
-    from kvmosaic.bench.roofline import read_bandwidth
+    from kvmosaic.bench.roofline import ReadProbe
     from kvmosaic.bench.serve_client import CLIENTS, paired_decode, run_level
     from kvmosaic.bench.serve_peers import make_server_peer
 
@@ -188,10 +188,10 @@ def test_both_clients_time_the_same_streams_and_report_a_refusal():
             assert (min(cached) == 0) if n == 0 else min(cached) >= 16, cached  # a fresh server: one prompt is new
         assert seen["aiohttp"] == seen["openai"]
         # the paired decode share's requests: one at a time, each right after a reading of its own
-        readings = []
+        readings, probe = [], ReadProbe(1, quick=True)
 
         def read() -> float:
-            readings.append(read_bandwidth(1, quick=True))
+            readings.append(probe.read())
             return readings[-1]
 
         for kind in CLIENTS:

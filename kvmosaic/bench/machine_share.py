@@ -13,9 +13,11 @@ the same threads.
   tokens of context a few percent of the weights in bfloat16).
 - paired decode share: the same bytes / each of a few requests' own ITL p50, sent one at a time after
   the level, each right after a reading of its own (``serving.PAIRED_REQUESTS``,
-  ``serve_client.paired_decode``) — the median and range of those shares. On a VM whose bandwidth
-  flips between two modes from one minute to the next, a level can run in one mode between two
-  readings in the other; a request and the reading a second before it share their minute.
+  ``serve_client.paired_decode``) — the median and range of those shares. The Zen 5 VM's bandwidth
+  flips between two modes within seconds: a level can run in one mode between two readings in the
+  other; a request and the reading right before it share their mode. The level's readings and the
+  pairs' come from one buffer kept for the level (``roofline.ReadProbe``): a fresh allocation for
+  each reading slowed the request after it.
 
 Parameter counts and stored bytes come from the model's own files (:mod:`.model_size`).
 """

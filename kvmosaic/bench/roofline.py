@@ -165,6 +165,29 @@ def read_bandwidth(threads: int | None, quick: bool = False) -> float:
         return bandwidth_gbs(buffer_mb, repeats)[0]
 
 
+class ReadProbe:
+    """Read-bandwidth readings (GB/s) as :func:`read_bandwidth` takes them, over one buffer allocated and
+    touched when the probe is made: a reading then allocates nothing. On the Zen 5 VM a fresh 1 GB
+    allocation before each reading slowed the decode of the request sent right after it by ~25% (ITL
+    7.2-8.1 against 5.8-6.1 ms), a kept buffer not at all; and the VM's bandwidth changes mode within
+    seconds, so a reading is only worth its pairing when taken right before what it is paired with."""
+
+    SETTLE_S = 1.0  # after the buffer's first touch, before any reading is used
+
+    def __init__(self, threads: int | None, quick: bool = False) -> None:
+        import torch
+
+        _, _, buffer_mb, self.repeats = _sizes(quick)
+        self.threads = threads
+        with _torch_threads(threads):
+            self.buffer = torch.ones(buffer_mb * 2**20 // 4)
+        time.sleep(self.SETTLE_S)
+
+    def read(self) -> float:
+        with _torch_threads(self.threads):
+            return self.buffer.numel() * 4 / best_seconds(lambda: self.buffer.sum(), self.repeats) / 1e9
+
+
 def measure(threads: int | None, model: str | None = None, quick: bool = False) -> Roofline:
     """The roofline at ``threads`` torch threads (None: all cores); the model-shape GEMMs are left
     out (and said so) when ``model``'s files cannot be read."""

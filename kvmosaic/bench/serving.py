@@ -40,8 +40,8 @@ from .machine import describe
 from .machine_share import SHARE_WORKLOAD, shares
 from .machine_share import table as share_table
 from .model_size import model_size
+from .roofline import ReadProbe
 from .roofline import measure as measure_roofline
-from .roofline import read_bandwidth
 from .serve_client import CLIENTS, PoolSampler, RequestResult, one_request, paired_decode, run_level
 from .serve_peers import (  # re-exported (__all__)
     DEFAULT_SERVE_PEERS,
@@ -176,7 +176,8 @@ def run(args: argparse.Namespace) -> int:
                 raise RuntimeError(f"warm-up request failed: {warm[0].error if warm else 'no result'}")
             for wl, mode, level, convs, lens in plan:
                 share_level = (wl, mode, level) == (SHARE_WORKLOAD, "closed", 1)
-                read_before = read_bandwidth(args.threads, args.quick) if share_level else None
+                probe = ReadProbe(args.threads, args.quick) if share_level else None
+                read_before = probe.read() if probe else None
                 cpu0 = peer.cpu_seconds()
                 res, wall, pool = asyncio.run(run_level(peer, convs, sizes.max_tokens, int(level) if mode == "closed" else None,
                                                         level if mode == "poisson" else None, args.seed, lens,
@@ -184,11 +185,11 @@ def run(args: argparse.Namespace) -> int:
                 cpu1 = peer.cpu_seconds()
                 cpu = (cpu1[0] - cpu0[0], cpu1[1]) if cpu0 and cpu1 else None
                 row = summarize_level(name, wl, mode, level, res, wall, pool, cpu)
-                if read_before is not None:
-                    row.read_gbs_around = (read_before, read_bandwidth(args.threads, args.quick))
-                    row.decode_pairs = asyncio.run(paired_decode(
-                        peer, convs[:PAIRED_REQUESTS], sizes.max_tokens, args.client,
-                        lambda: read_bandwidth(args.threads, args.quick)))
+                if probe is not None:
+                    row.read_gbs_around = (read_before, probe.read())
+                    row.decode_pairs = asyncio.run(paired_decode(peer, convs[:PAIRED_REQUESTS], sizes.max_tokens,
+                                                                 args.client, probe.read))
+                    probe = None  # its buffer freed before the next level
                 rows.append(row)
                 # partial results survive an interrupted run
                 (out / "serve.partial.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
