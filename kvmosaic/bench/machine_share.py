@@ -78,9 +78,9 @@ def shares(rows: list[LevelResult], roofline: Roofline, size: ModelSize, dtype: 
         cached = r.cached_tokens / r.requests
         gflops = size.prefill_flops(new, cached) / r.ttft_p50 / 1e9
         label, per_weight = weight_format(r.peer, dtype, size)
-        gbs = size.decode_weight_bytes(per_weight) / r.itl_p50 / 1e9 if r.itl_p50 else None
-        read = sum(r.read_gbs_around) / 2 if r.read_gbs_around else roofline.read_gbs
         step_bytes = size.decode_weight_bytes(per_weight)
+        gbs = step_bytes / r.itl_p50 / 1e9 if r.itl_p50 else None
+        read = sum(r.read_gbs_around) / 2 if r.read_gbs_around else roofline.read_gbs
         paired = sorted(step_bytes / itl / 1e9 / gbs for gbs, itl in r.decode_pairs or [] if itl > 0 and gbs > 0)
         out.append(MachineShare(r.peer, label, new, r.ttft_p50, gflops, gflops / roofline.gemm_gflops[dtype],
                                 r.itl_p50, gbs, gbs / read if gbs is not None else None, read,
