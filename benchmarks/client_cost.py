@@ -18,7 +18,7 @@ import statistics
 import time
 
 from kvmosaic.bench.machine import describe
-from kvmosaic.bench.serve_client import CLIENTS, run_level
+from kvmosaic.bench.serve_client import CLIENTS, inter_token_gaps, run_level
 from kvmosaic.bench.serve_peers import make_server_peer
 
 
@@ -33,7 +33,7 @@ def one_round(peer, kind: str, first: int, requests: int, max_tokens: int) -> tu
     failed = [r.error for r in results if not r.ok]
     if failed:
         raise RuntimeError(f"{kind}: {failed[0]}")
-    gaps = [b - a for r in results for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    gaps = [g for r in results for g in inter_token_gaps(r.chunk_times)]
     return 1e3 * statistics.median(gaps), 1e3 * cpu / max(sum(len(r.chunk_times) for r in results), 1)
 
 

@@ -126,6 +126,11 @@ def tile_gemm_gflops(shapes: list[tuple[int, int, int]], repeats: int) -> float 
     return sum(2.0 * m * k * n for m, k, n in shapes) / best_seconds(run, repeats) / 1e9
 
 
+def read_gbs(buffer, repeats: int) -> float:
+    """GB/s of ``buffer.sum()`` over a float32 tensor, best of ``repeats``."""
+    return buffer.numel() * 4 / best_seconds(lambda: buffer.sum(), repeats) / 1e9
+
+
 def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:
     """(read GB/s, copy GB/s) over float32 buffers of ``buffer_mb`` MB."""
     import torch
@@ -133,7 +138,7 @@ def bandwidth_gbs(buffer_mb: int, repeats: int) -> tuple[float, float]:
     src = torch.ones(buffer_mb * 2**20 // 4)
     dst = torch.empty_like(src)
     nbytes = src.numel() * 4
-    read = nbytes / best_seconds(lambda: src.sum(), repeats) / 1e9
+    read = read_gbs(src, repeats)
     copy = 2 * nbytes / best_seconds(lambda: dst.copy_(src), repeats) / 1e9
     return read, copy
 
@@ -185,7 +190,7 @@ class ReadProbe:
 
     def read(self) -> float:
         with _torch_threads(self.threads):
-            return self.buffer.numel() * 4 / best_seconds(lambda: self.buffer.sum(), self.repeats) / 1e9
+            return read_gbs(self.buffer, self.repeats)
 
 
 def measure(threads: int | None, model: str | None = None, quick: bool = False) -> Roofline:

@@ -43,6 +43,11 @@ class RequestResult:
 CLIENTS = ("aiohttp", "openai")
 
 
+def inter_token_gaps(chunk_times: list[float]) -> list[float]:
+    """Gaps between consecutive content chunks (the first chunk's arrival is TTFT, not a gap)."""
+    return [b - a for a, b in zip(chunk_times, chunk_times[1:])]
+
+
 async def timed(events: AsyncIterator[tuple[bool, tuple[int, int, int] | None]], prompt_estimate: int) -> RequestResult:
     """One streamed request timed as ``events`` yields its chunks — whether a chunk has content,
     and the usage it carries, as (prompt, completion, cached) tokens, or None — counted from the
@@ -220,7 +225,7 @@ async def paired_decode(peer: ServerPeer, convs: list[list[dict]], max_tokens: i
         for conv in convs:
             gbs = read()
             res = await send(client, peer, conv, max_tokens)
-            gaps = [b - a for a, b in zip(res.chunk_times, res.chunk_times[1:])]
+            gaps = inter_token_gaps(res.chunk_times)
             if res.ok and gaps:
                 pairs.append((gbs, float(np.median(gaps))))
     finally:

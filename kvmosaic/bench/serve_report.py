@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .serve_client import RequestResult
+from .serve_client import RequestResult, inter_token_gaps
 
 POOL_NOTE = (
     "KV pool: *blocks used* is the peak of kvmosaic's /health kv.num_used_blocks during the level, and *pool "
@@ -25,11 +25,6 @@ POOL_NOTE = (
 
 def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
-
-
-def inter_token_gaps(chunk_times: list[float]) -> list[float]:
-    """Gaps between consecutive content chunks (the first chunk's arrival is TTFT, not a gap)."""
-    return [b - a for a, b in zip(chunk_times, chunk_times[1:])]
 
 
 @dataclass
