@@ -3,8 +3,9 @@
 Workloads (plain prompts, no ``segments`` field, no separator):
 
 * ``rag-text``: a system line, 5 of 20 documents (~75 tokens each) in random order (blank lines
-  between them) and a question whose answer is a fact in one of them; ``rag-chat``: the same in
-  chat form (system and user messages through the model's template); ``rag-long-text`` /
+  between them) and a question whose answer is a fact in one of them, as a plain completion prompt
+  (no chat template); ``rag-chat``: the same in chat form (system and user messages through the
+  model's template); ``rag-long-text`` /
   ``rag-long-chat`` (not in the default set): the same with the five whole documents (~280 tokens
   each, the 20 short ones are their quarters), each seen once before in another order;
 * ``sys-timestamp``: a ~2,000-token system prompt whose first line is a timestamp that changes
@@ -100,14 +101,16 @@ def rag_long_requests(n: int, rng: random.Random, tok, chat: bool) -> list[Req]:
 
 
 def rag_prompt(docs: list[str], question: str, tok, chat: bool) -> tuple[str, str]:
-    """(prompt, its system part) with plain documents: no markup, blank lines between them."""
+    """(prompt, its system part) with plain documents: no markup, blank lines between them. In chat
+    form through the model's template; as text, a completion prompt with no template at all (before the
+    twenty-second session the text form wrote the template out by hand: the chat form's very strings)."""
     body = "\n\n".join(docs) + f"\n\nQuestion: {question}"
     if chat:
         msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": body}]
         return (tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True),
                 tok.apply_chat_template(msgs[:1], tokenize=False))
-    warm = f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n"
-    return warm + body + "<|im_end|>\n<|im_start|>assistant\n", warm
+    warm = f"{SYSTEM}\n\n"
+    return warm + body + "\nAnswer:", warm
 
 
 def sys_prompt(stamp: str, rng_seed: int = 7) -> str:

@@ -118,6 +118,7 @@ def test_auto_reuse_rag_workloads():
             assert len(r.docs) == 5 == len(set(r.docs)) and set(r.docs) <= set(pool)
             assert any(r.answer in d for d in r.docs)
             assert r.prompt.startswith(r.warm) and all(d in r.prompt for d in r.docs)
+            assert "<|" not in r.prompt  # a completion prompt: no chat template written out (that is rag-chat)
         assert len({tuple(r.docs) for r in reqs}) > 8  # the orders differ
     assert max(len(d.split()) for d in ar.POOL) < 100 < 200 < min(len(d.split()) for d in ar.DOCS)
 
@@ -176,3 +177,25 @@ def test_scale_configs_fit_the_cores_and_ratios_add_up():
     assert pooled_hit_rate(rows + [row(CACHE_AWARE, "multi-tenant", 0.2, 20, 0)], CACHE_AWARE, "multi-tenant") == 0.3
     assert "n/a (round-robin 0)" in ratios([row(CACHE_AWARE, "multi-tenant", 0.2, 20, 5),
                                             row(ROUND_ROBIN, "multi-tenant", 0.2, 20, 0)])[-1]
+
+
+def test_the_oracles_deviation_and_choice():
+    from benchmarks.auto_reuse_oracle import oracle_picker, true_deviation
+
+    g = torch.Generator().manual_seed(0)
+    exact = torch.randn(3, 2, 5, 2, 4, generator=g)  # [layers, K/V, tokens, kv heads, head dim]
+    assert torch.equal(true_deviation(exact, exact), torch.zeros(5))
+    placed = exact.clone()
+    placed[1, :, 2] *= 1.5  # token 2 off by half its norm at one layer of three
+    placed[:, 0, 4] = 0  # token 4's K gone at every layer
+    dev = true_deviation(exact, placed)
+    assert dev[2] == pytest.approx(0.5 / 3, rel=1e-5)
+    k_share = exact[:, 0, 4].flatten(1).norm(dim=-1) / exact[:, :, 4].flatten(1).norm(dim=-1)
+    assert dev[4] == pytest.approx(float(k_share.mean()), rel=1e-5)
+    assert dev[[0, 1, 3]].abs().max() == 0
+
+    def engine(scores, attention):  # what the engine would choose: its count is what the oracle keeps
+        return torch.tensor([0, 1])
+
+    pick = oracle_picker(engine, dev)
+    assert pick(torch.rand(5), torch.rand(5)).tolist() == [2, 4]  # the two truly furthest, in position order

@@ -128,7 +128,7 @@ class AutoReuse:
         if not missing:
             return 0
         idx = torch.cat([torch.arange(c.start, c.end) for c, _ in missing])
-        kvt = self.blender._read(slots[idx])
+        kvt = self.blender.read(slots[idx])
         stored, at = 0, 0
         for c, _ in missing:
             part = kvt[:, :, at : at + c.num_tokens]

@@ -138,28 +138,14 @@ class Blender:
         n = len(token_ids)
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions = logits_positions if logits_positions is not None else [n - 1]
-        found, missing = [], []
-        for span in spans:
-            if span.end <= start:
-                continue  # inside the prefix hit: exact already
-            hit = self.store.get(token_ids[span.start : span.end], cache_salt, adapter_id)
-            if hit is None:
-                missing.append(span)
-            else:
-                found.append((span, hit[0], hit[1]))
-        reused = self._place(found, slots, start, n)
-        if opts.head:
-            for span, entry, _ in found:  # computed in full, as the tokens around the segments are
-                if entry.left != self.store.left_digest(token_ids, span.start):  # None: not known, moved
-                    reused[max(span.start, start) : min(span.start + opts.head, span.end)] = False
-        reused[positions] = False
+        reused, missing = self.place(token_ids, spans, slots, start, opts.head, positions, cache_salt, adapter_id)
         repaired: list[int] = []
         pick = picker(opts, repaired) if opts.mode in ("blend", "auto") and reused.any() else None
         out = blend_forward(self.model, self.kv, ids, slots, start, reused, torch.tensor(positions), pick,
                             opts.check_layer)
         stored = 0
         for span in missing:  # stored with the KV this prompt gave it
-            kvt = self._read(slots[span.start : span.end])
+            kvt = self.read(slots[span.start : span.end])
             if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start, kvt,
                               left=self.store.left_digest(token_ids, span.start)):
                 stored += span.num_tokens
@@ -171,8 +157,32 @@ class Blender:
         return BlendResult(out.logits, int(kept.sum()), stored, int((reused & out.recomputed).sum()),
                            int(inexact[0]) if inexact.numel() else n, drift, drift_attn, sum(repaired))
 
+    def place(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
+              head: int, logits_positions: list[int], cache_salt: str | None = None,
+              adapter_id: str | None = None) -> tuple[torch.Tensor, list[SegmentSpan]]:
+        """The first step of :meth:`prefill`: write every stored segment of ``spans`` (from ``start`` on)
+        at its positions. Returns ``reused`` ``[len(token_ids)]``, the tokens whose KV is now the stored
+        one and that the pass may keep (not the first ``head`` of a moved segment, nor a logits position),
+        and the spans the store lacks."""
+        found, missing = [], []
+        for span in spans:
+            if span.end <= start:
+                continue  # inside the prefix hit: exact already
+            hit = self.store.get(token_ids[span.start : span.end], cache_salt, adapter_id)
+            if hit is None:
+                missing.append(span)
+            else:
+                found.append((span, hit[0], hit[1]))
+        reused = self._place(found, slots, start, len(token_ids))
+        if head:
+            for span, entry, _ in found:  # computed in full, as the tokens around the segments are
+                if entry.left != self.store.left_digest(token_ids, span.start):  # None: not known, moved
+                    reused[max(span.start, start) : min(span.start + head, span.end)] = False
+        reused[logits_positions] = False
+        return reused, missing
+
     # ---- steps ---------------------------------------------------------------------------
-    def _read(self, slots: torch.Tensor) -> torch.Tensor:
+    def read(self, slots: torch.Tensor) -> torch.Tensor:
         """KV at ``slots``, every layer: ``[L, 2, T, kv_heads, head_dim]``."""
         s = slots.to(self.kv.device)
         first = self.kv.k[0]
