@@ -88,6 +88,16 @@ def rag_requests(n: int, rng: random.Random, tok, chat: bool) -> list[Req]:
     return out
 
 
+def earlier_traffic(h: Harness, rng: random.Random, chat: bool, seen: int = 1) -> None:
+    """Before the measured RAG requests: each of the 20 documents shown ``seen`` times, in prompts of
+    five in a new random order each round (so in other company each time), in auto mode."""
+    for _ in range(seen):
+        order = list(range(len(POOL)))
+        rng.shuffle(order)
+        for k in range(0, len(POOL), 5):
+            h.run(True, rag_prompt([POOL[j] for j in order[k : k + 5]], "Hello?", h.tok, chat)[0], None, 1)
+
+
 def rag_long_requests(n: int, rng: random.Random, tok, chat: bool) -> list[Req]:
     """The five whole documents (~280 tokens each, the length a retriever's chunks usually have) in
     random order, then one of the questions."""
@@ -294,6 +304,10 @@ def main() -> None:
     ap.add_argument("--head", type=int, default=None, help="blend_head_tokens (default: the engine's)")
     ap.add_argument("--selection", default=None, help="blend_selection (default: the engine's)")
     ap.add_argument("--check-layer", type=int, default=None, help="blend_check_layer (default: the engine's)")
+    ap.add_argument("--contexts", type=int, default=None,
+                    help="auto_reuse_contexts: contexts a chunk is computed in before reuse (default: the engine's)")
+    ap.add_argument("--seen", type=int, default=1,
+                    help="RAG: earlier traffic shows each document this many times, each in other company")
     ap.add_argument("--max-drift", type=float, default=0.03, help="auto_reuse_max_drift (the guard's bound)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--seed", type=int, default=0)
@@ -306,7 +320,8 @@ def main() -> None:
     print(describe(), flush=True)
     rng = random.Random(args.seed)
     blend = {k: v for k, v in (("blend_ratio", args.ratio), ("blend_head_tokens", args.head),
-                               ("blend_selection", args.selection), ("blend_check_layer", args.check_layer))
+                               ("blend_selection", args.selection), ("blend_check_layer", args.check_layer),
+                               ("auto_reuse_contexts", args.contexts))
              if v is not None}
     h = Harness(args.dtype, args.max_drift, **blend)
     print(f"blend options: {h.opts}", flush=True)
@@ -320,10 +335,7 @@ def main() -> None:
     for name, chat in (("rag-text", False), ("rag-chat", True)):
         if name not in todo:
             continue
-        order = list(range(len(POOL)))
-        rng.shuffle(order)
-        for k in range(0, len(POOL), 5):  # earlier traffic: each document seen once, in some context
-            h.run(True, rag_prompt([POOL[j] for j in order[k : k + 5]], "Hello?", h.tok, chat)[0], None, 1)
+        earlier_traffic(h, rng, chat, args.seen)
         results[name] = measure(h, rag_requests(args.requests, rng, h.tok, chat), FORCED, name)
     for name, chat in (("rag-long-text", False), ("rag-long-chat", True)):
         if name not in todo:

@@ -39,7 +39,7 @@ from kvmosaic.cache.manager import PlainRequest
 from kvmosaic.engine.arg_utils import EngineArgs
 from kvmosaic.engine.sampling_params import SamplingParams
 
-from .auto_reuse import FORCED, POOL, Harness, Req, Stats, rag_prompt, rag_requests
+from .auto_reuse import FORCED, Harness, Req, Stats, earlier_traffic, rag_requests
 from .blend_quality import kl
 
 NO_BOUND = 1.0  # the guard's bound in these runs: far above any estimate, so no repair changes the budget
@@ -86,7 +86,7 @@ def forced_kl(h: Harness, r: Req, answer: list[int]) -> tuple[float, float, int]
         spans = auto.plan(p_ids, start, None, None) or ()
         kls, rows = [], 0
         for oracle in (False, True):
-            reused, _ = blender.place(ids, spans, slots, start, opts.head, positions)
+            reused = blender.place(ids, spans, slots, start, opts.head, positions).reused
             engine_pick = picker(opts, [])
             pick = engine_pick
             if oracle:
@@ -105,10 +105,7 @@ def study(dtype: str, chat: bool, head: int, budget: float, requests: int, seed:
     ratio = EngineArgs.blend_ratio * budget
     h = Harness(dtype, NO_BOUND, blend_head_tokens=head, blend_ratio=min(1.0, ratio))
     rng = random.Random(seed)
-    order = list(range(len(POOL)))
-    rng.shuffle(order)
-    for k in range(0, len(POOL), 5):  # earlier traffic: each document seen once, in some context
-        h.run(True, rag_prompt([POOL[j] for j in order[k : k + 5]], "Hello?", h.tok, chat)[0], None, 1)
+    earlier_traffic(h, rng, chat)
     st = Stats()
     for r in rag_requests(requests, rng, h.tok, chat):
         full = h.run(False, r.prompt, None, FORCED)

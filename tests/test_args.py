@@ -33,6 +33,7 @@ ENGINE_FLAGS = {
     "scheduling_policy": ["--scheduling-policy", "lpm"], "eviction_policy": ["--eviction-policy", "priority"],
     "num_threads": ["--num-threads", "3"], "adaptive_threads": ["--no-adaptive-threads"],
     "segment_reuse": ["--segment-reuse", "auto"], "auto_reuse_max_drift": ["--auto-reuse-max-drift", "0.07"],
+    "auto_reuse_contexts": ["--auto-reuse-contexts", "2"],
     "blend_ratio": ["--blend-ratio", "0.3"], "blend_threshold": ["--blend-threshold", "0.7"],
     "blend_check_layer": ["--blend-check-layer", "3"], "blend_head_tokens": ["--blend-head-tokens", "4"],
     "blend_selection": ["--blend-selection", "deviation"],

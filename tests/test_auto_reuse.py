@@ -191,3 +191,93 @@ def test_chunks_live_in_the_tiers(tmp_path):
     # each chunk came back with the digest of what it followed (blend head tokens go by it)
     assert all(e.left is not None and len(e.left) == 16 for e in store.index.entries.values())
     second.engine.close()
+
+
+def test_a_stored_chunk_keeps_each_tokens_mean_over_its_contexts():
+    """``SegmentKVStore.fold``: a running mean per token, its count, a cap past which a context weighs
+    ``1 / FOLD_CAP``, and counts gone with the entry (replaced or evicted)."""
+    from kvmosaic.blend.store import FOLD_CAP, SegmentKVStore
+
+    store = SegmentKVStore(1 << 20, b"seed")
+    g = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(2, 2, 6, 1, 4, generator=g) for _ in range(3))  # [L, K/V, T, heads, head_dim]
+    tokens = [5, 6, 7, 8, 9, 10]
+    assert store.put(tokens, None, None, 3, a)
+    key = store.key(tokens, None, None)
+    store.fold([(key, torch.tensor([1, 3]))], b[:, :, [1, 3]])
+    mean = store.tensors[key]
+    assert torch.allclose(mean[:, :, [1, 3]], (a + b)[:, :, [1, 3]] / 2)
+    assert torch.equal(mean[:, :, [0, 2, 4, 5]], a[:, :, [0, 2, 4, 5]])
+    assert store.contexts_of(key) == 1  # not every token was computed again
+    store.fold([(key, torch.arange(6))], c)
+    assert torch.allclose(store.tensors[key][:, :, [1, 3]], (a + b + c)[:, :, [1, 3]] / 3, atol=1e-6)
+    assert torch.allclose(store.tensors[key][:, :, 0], (a + c)[:, :, 0] / 2, atol=1e-6)
+    assert store.contexts_of(key) == 2 and store.contexts[key].tolist() == [2, 3, 2, 3, 2, 2]
+    x = torch.zeros_like(a[:, :, :1])
+    for _ in range(FOLD_CAP + 4):
+        before = store.tensors[key][:, :, 0].clone()
+        store.fold([(key, torch.tensor([0]))], x)
+    assert torch.allclose(store.tensors[key][:, :, 0], before * (1 - 1 / FOLD_CAP), atol=1e-6)  # capped weight
+    assert store.put(tokens, None, None, 3, a) and store.contexts_of(key) == 1 and torch.equal(store.tensors[key], a)
+    small = SegmentKVStore(a.numel() * a.element_size(), b"seed")
+    small.put(tokens, None, None, 0, a)
+    small.fold([(key, torch.arange(6))], b)
+    small.put([1, 2, 3, 4, 5, 6], None, None, 0, a)  # evicts the first
+    assert key not in small.tensors and key not in small.contexts
+    other = small.key([1, 2, 3, 4, 5, 6], None, None)
+    small.fold([(key, torch.arange(6)), (other, torch.tensor([2]))], torch.cat((b, c[:, :, :1]), 2))
+    assert torch.allclose(small.tensors[other][:, :, 2], (a[:, :, 2] + c[:, :, 0]) / 2)  # the key evicted: passed over
+
+
+def test_a_fold_moves_k_to_the_entrys_positions(llm):
+    """``Blender.fold`` reads a context's KV from the pool at the span's positions and folds it in with K
+    re-rotated to where the entry was computed (V as it is)."""
+    from kvmosaic.blend.prompt import SegmentSpan
+    from kvmosaic.blend.rope import rerotate
+    from kvmosaic.cache.manager import PlainRequest
+
+    e, sr = llm.engine, llm.engine.segment_reuse
+    sr.store.clear()
+    run(llm, text(DOCS))  # stores the chunks at their positions here
+    key, entry = next(iter(sr.store.index.entries.items()))
+    stored = sr.store.tensors[key].clone()
+    n = len(entry.tokens)
+    fake = PlainRequest("fold-probe", list(range(n + 40)))
+    table = e.cache.allocate_slots(fake, n + 40, e.cache.match_prefix(fake))
+    try:
+        slots = e.kv.slots(table, n + 40)
+        span = SegmentSpan(40, 40 + n)  # the same tokens 40 positions on, in another context
+        g = torch.Generator().manual_seed(1)
+        other = torch.randn(stored.shape, generator=g).to(stored.dtype)
+        for layer in range(len(e.kv.k)):
+            e.kv.write(layer, slots[40:], other[layer, 0], other[layer, 1])
+        sr.blender.fold([(span, entry, torch.arange(40, 40 + n))], slots)
+    finally:
+        e.cache.free(fake)
+    k_home = rerotate(other[:, 0], entry.origin - 40, sr.blender.inv_freq)
+    assert torch.allclose(sr.store.tensors[key][:, 0], (stored[:, 0] + k_home) / 2, atol=1e-5)
+    assert torch.allclose(sr.store.tensors[key][:, 1], (stored[:, 1] + other[:, 1]) / 2, atol=1e-6)
+    assert sr.store.contexts_of(key) == 2
+
+
+def test_a_chunk_waits_for_its_contexts_then_is_reused_as_their_mean(plain):
+    """``auto_reuse_contexts=2``: a chunk seen in one context is computed in full again (an ordinary
+    prefill, bit for bit auto off's) and folded in; from then on it is reused, and what a blend
+    recomputes of it joins its mean too."""
+    two = LLM(dtype="float32", num_kv_blocks=256, segment_cache_memory=128 << 20, segment_reuse="auto",
+              auto_reuse_contexts=2)
+    store = two.engine.segment_reuse.store
+    first = run(two, text(DOCS))
+    assert first.auto_reuse["tokens"] == 0 and len(store.index) > 0
+    assert all(store.contexts_of(k) == 1 for k in store.index.entries)
+    second = run(two, text(DOCS[::-1]))
+    assert second.auto_reuse["tokens"] == 0  # found, but seen in one context only
+    assert plain.engine.reset_prefix_cache()
+    ref = plain.generate(text(DOCS[::-1]), GREEDY)[0]
+    assert second.token_ids == ref.token_ids and second.logprobs == ref.logprobs  # an ordinary prefill
+    doc_chunks = [k for k, entry in store.index.entries.items() if entry.origin > 20]
+    assert doc_chunks and all(store.contexts_of(k) == 2 for k in doc_chunks[:3])
+    third = run(two, text([DOCS[1], DOCS[2], DOCS[0]]))
+    assert third.auto_reuse["tokens"] > 0
+    counts = torch.cat([store.contexts[k] for k in doc_chunks if k in store.contexts])
+    assert counts.min() >= 2 and counts.max() == 3  # the third context's recomputed tokens joined

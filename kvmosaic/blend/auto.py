@@ -15,6 +15,11 @@ prompt, with no markup.
   tokens recomputed); otherwise it runs as an ordinary prefill, bit for bit as with auto off.
   A prompt that differs from a cached one early (a timestamp) is the same mechanism at shift
   0: its later chunks are found at their own positions and repaired (item 2).
+* **Context means.** A stored chunk's tokens computed again in another context join its stored KV, a
+  per-token mean over the contexts (``SegmentKVStore.fold``): a chunk of an ordinary prefill that the
+  store holds already, and the reused chunks' tokens a blend recomputes (``Blender.prefill``). With
+  ``contexts`` above 1 (``auto_reuse_contexts``) a chunk is reused only once it was computed in that
+  many contexts; until then a prompt computes it in full (and folds it in).
 * **Guard.** ``blend/guard.py`` bounds the drift estimate per request: the blend recomputes
   the most deviating reused tokens until the estimate is within the bound, and a result still
   above it falls back to a full prefill of the uncertain part.
@@ -86,8 +91,9 @@ class AutoResult:
 
 
 class AutoReuse:
-    def __init__(self, blender: Blender, store: SegmentKVStore, rule: ChunkRule) -> None:
-        self.blender, self.store, self.rule = blender, store, rule
+    def __init__(self, blender: Blender, store: SegmentKVStore, rule: ChunkRule, contexts: int = 1) -> None:
+        """``contexts``: how many contexts a chunk is computed in, in full, before it is reused."""
+        self.blender, self.store, self.rule, self.contexts = blender, store, rule, contexts
         self.stats = AutoStats()
 
     def chunks(self, token_ids: list[int]) -> list[SegmentSpan]:
@@ -96,11 +102,15 @@ class AutoReuse:
 
     def plan(self, token_ids: list[int], start: int, salt: str | None,
              adapter: str | None) -> tuple[SegmentSpan, ...] | None:
-        """The stored chunks at or after ``start`` (the prefix hit) worth blending, or None."""
+        """The stored chunks at or after ``start`` (the prefix hit) worth blending (computed in at least
+        ``contexts`` contexts), or None."""
         found = tuple(c for c in self.chunks(token_ids)
-                      if c.start >= start and c.end < len(token_ids)
-                      and self.store.get(token_ids[c.start : c.end], salt, adapter) is not None)
+                      if c.start >= start and c.end < len(token_ids) and self._ready(token_ids[c.start : c.end], salt, adapter))
         return found if sum(c.num_tokens for c in found) >= MIN_REUSE else None
+
+    def _ready(self, tokens: list[int], salt: str | None, adapter: str | None) -> bool:
+        hit = self.store.get(tokens, salt, adapter)
+        return hit is not None and (self.contexts <= 1 or self.store.contexts_of(hit[0].key) >= self.contexts)
 
     def prefill(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
                 opts: BlendOptions, bound: float, salt: str | None, adapter: str | None) -> AutoResult:
@@ -116,24 +126,36 @@ class AutoReuse:
         elif verdict.num_reused_tokens:
             self.stats.requests += 1
             self.stats.tokens += verdict.num_reused_tokens
-        self.harvest(token_ids, slots, salt, adapter)
+        self.harvest(token_ids, slots, salt, adapter, reused=spans, computed_from=start)
         return AutoResult(verdict.logits, verdict.num_reused_tokens, verdict.drift, verdict.fell_back,
                           verdict.exact_until, res.num_repaired_tokens)
 
-    def harvest(self, token_ids: list[int], slots: torch.Tensor, salt: str | None, adapter: str | None) -> int:
-        """Store the chunks of a prompt whose KV is complete at ``slots`` that the store lacks
-        (one gather from the pool for all of them); returns how many were stored."""
-        missing = [(c, self.store.key(token_ids[c.start : c.end], salt, adapter)) for c in self.chunks(token_ids)]
-        missing = [(c, k) for c, k in missing if k not in self.store.index]
+    def harvest(self, token_ids: list[int], slots: torch.Tensor, salt: str | None, adapter: str | None,
+                reused: tuple[SegmentSpan, ...] = (), computed_from: int = 0) -> int:
+        """Store the chunks of a prompt whose KV is complete at ``slots`` that the store lacks, and fold
+        those it holds into their context means (``SegmentKVStore.fold``) where this prompt computed them:
+        not inside its prefix hit (before ``computed_from``: a context the cache saw already), nor the
+        ``reused`` ones (a blend's: their KV here is mostly the stored one; ``Blender.prefill`` folds what
+        it recomputed of them). One gather from the pool for what is stored, one for what is folded;
+        returns how many chunks were stored."""
+        skip = set(reused)
+        missing, folds = [], []
+        for c in self.chunks(token_ids):
+            if c in skip:
+                continue
+            entry = self.store.index.entries.get(self.store.key(token_ids[c.start : c.end], salt, adapter))
+            if entry is None:
+                missing.append(c)
+            elif c.start >= computed_from:
+                folds.append((c, entry, torch.arange(c.start, c.end)))
+        self.blender.fold(folds, slots)
         if not missing:
             return 0
-        idx = torch.cat([torch.arange(c.start, c.end) for c, _ in missing])
-        kvt = self.blender.read(slots[idx])
+        kvt = self.blender.read(slots[torch.cat([torch.arange(c.start, c.end) for c in missing])])  # one gather
         stored, at = 0, 0
-        for c, _ in missing:
-            part = kvt[:, :, at : at + c.num_tokens]
+        for c in missing:
+            stored += self.store.put(token_ids[c.start : c.end], salt, adapter, c.start,
+                                     kvt[:, :, at : at + c.num_tokens], left=self.store.left_digest(token_ids, c.start))
             at += c.num_tokens
-            stored += self.store.put(token_ids[c.start : c.end], salt, adapter, c.start, part,
-                                     left=self.store.left_digest(token_ids, c.start))
         self.stats.stored_chunks += stored
         return stored

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.segments import SegmentEntry
 from ..kv.paged import PagedKVCache
 from ..model import kernels
 from ..model.llama import LlamaForCausalLM
@@ -99,6 +100,17 @@ class BlendResult:
     num_repaired_tokens: int = 0
 
 
+@dataclass
+class Placement:
+    """What :meth:`Blender.place` wrote: ``reused`` ``[len(token_ids)]``, the tokens whose KV is now a
+    stored segment's and that the pass may keep (not the first ``head`` of a moved segment, nor a logits
+    position); ``found``, the spans placed with their store entries; ``missing``, those the store lacks."""
+
+    reused: torch.Tensor
+    found: list[tuple[SegmentSpan, SegmentEntry]]
+    missing: list[SegmentSpan]
+
+
 def picker(opts: BlendOptions, repaired: list[int]) -> Picker:
     """The recompute choice ``opts`` asks for (blend/select.py); appends to ``repaired`` how many
     tokens the bound added to it."""
@@ -138,17 +150,24 @@ class Blender:
         n = len(token_ids)
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions = logits_positions if logits_positions is not None else [n - 1]
-        reused, missing = self.place(token_ids, spans, slots, start, opts.head, positions, cache_salt, adapter_id)
+        placed = self.place(token_ids, spans, slots, start, opts.head, positions, cache_salt, adapter_id)
+        reused = placed.reused
         repaired: list[int] = []
         pick = picker(opts, repaired) if opts.mode in ("blend", "auto") and reused.any() else None
         out = blend_forward(self.model, self.kv, ids, slots, start, reused, torch.tensor(positions), pick,
                             opts.check_layer)
         stored = 0
-        for span in missing:  # stored with the KV this prompt gave it
+        for span in placed.missing:  # stored with the KV this prompt gave it
             kvt = self.read(slots[span.start : span.end])
             if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start, kvt,
                               left=self.store.left_digest(token_ids, span.start)):
                 stored += span.num_tokens
+        if opts.mode == "auto":  # the reused tokens this context recomputed join their chunks' means
+            chosen, folds = reused & out.recomputed, []  # (a moved chunk's head is recomputed every time anyway)
+            for span, entry in placed.found:
+                at = torch.arange(max(span.start, start), span.end)
+                folds.append((span, entry, at[chosen[at]]))
+            self.fold(folds, slots)
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()
         scored = out.deviation is not None and bool(kept.any())
@@ -159,11 +178,9 @@ class Blender:
 
     def place(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
               head: int, logits_positions: list[int], cache_salt: str | None = None,
-              adapter_id: str | None = None) -> tuple[torch.Tensor, list[SegmentSpan]]:
+              adapter_id: str | None = None) -> Placement:
         """The first step of :meth:`prefill`: write every stored segment of ``spans`` (from ``start`` on)
-        at its positions. Returns ``reused`` ``[len(token_ids)]``, the tokens whose KV is now the stored
-        one and that the pass may keep (not the first ``head`` of a moved segment, nor a logits position),
-        and the spans the store lacks."""
+        at its positions (see :class:`Placement`)."""
         found, missing = [], []
         for span in spans:
             if span.end <= start:
@@ -179,7 +196,21 @@ class Blender:
                 if entry.left != self.store.left_digest(token_ids, span.start):  # None: not known, moved
                     reused[max(span.start, start) : min(span.start + head, span.end)] = False
         reused[logits_positions] = False
-        return reused, missing
+        return Placement(reused, [(span, entry) for span, entry, _ in found], missing)
+
+    def fold(self, folds: list[tuple[SegmentSpan, SegmentEntry, torch.Tensor]], slots: torch.Tensor) -> None:
+        """For each (span, its store entry, prompt positions inside the span): fold the KV now at those
+        positions' ``slots`` (computed in this prompt's context) into the entry's stored means
+        (``SegmentKVStore.fold``), K moved from the span's positions to the entry's own. One gather from
+        the pool and one re-rotation for all of them."""
+        folds = [f for f in folds if f[2].numel()]
+        if not folds:
+            return
+        positions = torch.cat([p for _, _, p in folds])
+        deltas = torch.cat([torch.full((p.numel(),), entry.origin - span.start) for span, entry, p in folds])
+        kvt = self.read(slots[positions])
+        kvt = torch.stack((rerotate(kvt[:, 0], deltas, self.inv_freq), kvt[:, 1]), dim=1)
+        self.store.fold([(entry.key, p - span.start) for span, entry, p in folds], kvt)
 
     # ---- steps ---------------------------------------------------------------------------
     def read(self, slots: torch.Tensor) -> torch.Tensor:

@@ -56,7 +56,7 @@ class SegmentReuse:
     def auto(self) -> AutoReuse | None:
         """Built on first use (reading the vocabulary's break tokens takes a moment)."""
         if self._auto is None and self._tokenizer is not None:
-            self._auto = AutoReuse(self.blender, self.store, rule_for(self._tokenizer))
+            self._auto = AutoReuse(self.blender, self.store, rule_for(self._tokenizer), self.config.auto_reuse_contexts)
         return self._auto
 
     @property
@@ -142,7 +142,8 @@ class SegmentReuse:
             if not seq.num_computed_tokens < n <= seq.num_computed_tokens + s.num_new_tokens:
                 continue
             try:
-                self.auto.harvest(seq.prompt_token_ids, self.kv.slots(table, n), seq.cache_salt, seq.adapter_id)
+                self.auto.harvest(seq.prompt_token_ids, self.kv.slots(table, n), seq.cache_salt, seq.adapter_id,
+                                  computed_from=max(seq.num_cached_tokens, 0))
             except Exception:  # noqa: BLE001 - storing is an optimisation
                 logger.exception("storing the chunks of request %s failed", seq.request_id)
 

@@ -10,6 +10,14 @@ format (``layout`` ``segment:L,2,T,H,D``, a digest of the segment's tokens, ``po
 segment missing from memory is looked up there: a restart or another process sharing a Redis
 tier finds it. Tier I/O for segments runs on the engine thread
 (a segment is stored once, when first computed); a load that fails a check is a miss.
+
+**Context means** (automatic reuse, docs/ARCHITECTURE.md): a segment's tokens computed again in another
+context fold into its tensor (:meth:`SegmentKVStore.fold`), which then holds, per token, the mean of the
+KV of every context it was computed in (K aligned at ``origin`` first), up to :data:`FOLD_CAP` of them
+(past it, each new context weighs ``1 / FOLD_CAP``). A new context's KV is nearer that mean than it is to
+any one earlier context's (the spread of one context about the mean counts once instead of twice):
+reordered RAG documents whose chunks were computed in two contexts drifted ~20% less (KL to full prefill,
+BENCHMARKS.md, issue 24). Folds are kept in memory; a tier holds the segment as first stored.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from ..kv.paged import PagedKVCache
 from ..tiers import BlockMeta, TierStack, tokens_digest
 
 SEGMENT_LAYOUT = "segment:L,2,T,H,D"
+FOLD_CAP = 16  # contexts a token's stored KV averages before each new one weighs 1 / FOLD_CAP
 
 
 class SegmentKVStore:
@@ -35,6 +44,7 @@ class SegmentKVStore:
         self.index = SegmentIndex(capacity_bytes)
         self.seed = seed
         self.tensors: dict[bytes, torch.Tensor] = {}
+        self.contexts: dict[bytes, torch.Tensor] = {}  # [T] float32: contexts each token's KV is the mean of (absent: 1)
         self.tiers: TierStack | None = None
         self.token_key: bytes | None = None  # keys the left-context digests (the tiers' token key)
         self.fingerprint = ""
@@ -104,12 +114,45 @@ class SegmentKVStore:
             return False
         for old in evicted:
             self.tensors.pop(old, None)
+            self.contexts.pop(old, None)
         self.tensors[key] = kv.clone()
         return True
+
+    def contexts_of(self, key: bytes) -> int:
+        """How many contexts every token of the segment under ``key`` was computed in (1: as stored)."""
+        counts = self.contexts.get(key)
+        return 1 if counts is None else int(counts.min())
+
+    def fold(self, parts: Sequence[tuple[bytes, torch.Tensor]], kv: torch.Tensor) -> None:
+        """Fold KV computed in another context into stored segments: ``kv`` ``[L, 2, t, kv_heads,
+        head_dim]`` holds, one part after the other, the KV of each part's segment (``key``) at its
+        token ``offsets`` (ascending), K rotated at the segment's own positions (``origin + offsets``).
+        Each token's stored KV becomes its running mean over its contexts (module docstring), for all
+        parts at once; a key no longer stored is passed over."""
+        live, take, at = [], [], 0
+        for key, offsets in parts:
+            if key in self.tensors and offsets.numel():
+                live.append((key, offsets))
+                take.append(torch.arange(at, at + offsets.numel()))
+            at += offsets.numel()
+        if not live:
+            return
+        counts = [self.contexts.setdefault(key, torch.ones(self.tensors[key].shape[2])) for key, _ in live]
+        weight = 1.0 / (torch.cat([c[off] for c, (_, off) in zip(counts, live)]) + 1).clamp(max=FOLD_CAP)
+        mean = torch.cat([self.tensors[key].index_select(2, off) for key, off in live], dim=2)
+        new = kv.index_select(2, torch.cat(take).to(kv.device)) if len(take) < len(parts) else kv
+        # lerp sums in float32 for bfloat16 inputs and rounds once, as the stored KV was rounded
+        mean.lerp_(new.to(mean), weight.to(mean)[None, None, :, None, None])
+        at = 0
+        for (key, off), c in zip(live, counts):
+            self.tensors[key].index_copy_(2, off, mean[:, :, at : at + off.numel()])
+            c[off] += 1
+            at += off.numel()
 
     def clear(self) -> None:
         self.index.clear()
         self.tensors.clear()
+        self.contexts.clear()
 
     @property
     def used_bytes(self) -> int:

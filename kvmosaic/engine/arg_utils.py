@@ -188,6 +188,9 @@ class EngineArgs(CliArgs):
                                                "check-layer deviation of the reused tokens kept; about the mean KL "
                                                "to full prefill, BENCHMARKS.md): the most deviating reused tokens "
                                                "are recomputed until it holds", type=float)
+    auto_reuse_contexts: int = option(1, "auto: contexts a chunk is computed in, in full, before its KV is "
+                                         "reused; its stored KV is their mean (and that of every later context "
+                                         "that recomputes its tokens), which drifts less when moved", type=int)
     blend_ratio: float = option(0.15, "blend: fraction of reused segment tokens recomputed")
     blend_threshold: float | None = option(None, "blend: recompute tokens deviating more (overrides the ratio)",
                                            type=float)

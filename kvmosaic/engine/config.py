@@ -66,6 +66,8 @@ class EngineConfig(EngineArgs):
                      self.blend_selection or "deviation", head=self.blend_head_tokens)
         if not self.auto_reuse_max_drift >= 0:
             raise ValueError(f"auto_reuse_max_drift must be non-negative, got {self.auto_reuse_max_drift}")
+        if self.auto_reuse_contexts < 1:
+            raise ValueError(f"auto_reuse_contexts must be at least 1, got {self.auto_reuse_contexts}")
         if self.kv_tiers:
             from ..tiers.spec import parse_tier_spec
 
