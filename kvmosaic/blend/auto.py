@@ -25,9 +25,10 @@ prompt, with no markup.
   above it falls back to a full prefill of the uncertain part.
 
 Invariants: nothing is stored or looked up across namespaces (the store's key holds the cache
-salt and adapter); chunks are stored only from KV this engine computed for them (exact, or
-computed in full beside reused neighbours, as CacheBlend stores segments), never from KV that
-was itself reused; a prompt with marked segments is left to the marked path.
+salt and adapter); chunks are stored, and folded into their context means, only from KV this
+engine computed for them (exact, or computed in full beside reused neighbours, as CacheBlend stores
+segments), never from KV that was itself reused; a prompt with marked segments is left to the
+marked path.
 """
 
 from __future__ import annotations

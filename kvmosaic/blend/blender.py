@@ -10,7 +10,9 @@
 * each segment that was missing is stored afterwards, with the KV it got in this prompt: KV
   "computed for a chunk in one context" (CacheBlend). A segment computed among its real
   neighbours deviates far less when moved than one computed alone or behind the head only,
-  and a request whose segments are all new is an exact full prefill.
+  and a request whose segments are all new is an exact full prefill;
+* in auto mode, the reused tokens recomputed here (not a moved chunk's head) fold into their
+  chunks' stored means over contexts (:meth:`Blender.fold`, ``blend/store.py``).
 
 Modes: ``shift`` recomputes only the non-segment tokens; ``blend`` also recomputes the reused
 tokens whose early-layer KV deviates most (a ratio, or all above a threshold), or those
