@@ -117,7 +117,7 @@ class AutoReuse:
                 opts: BlendOptions, bound: float, salt: str | None, adapter: str | None) -> AutoResult:
         """Blend ``spans`` (from :meth:`plan`) into the prompt, guard, store the new chunks."""
         last = [len(token_ids) - 1]
-        res = self.blender.prefill(token_ids, spans, slots, start, opts, salt, adapter, last)
+        res = self.blender.prefill(token_ids, spans, slots, start, opts, salt, adapter, last, fold=True)
         verdict = guard(self.blender.model, self.blender.kv, token_ids, slots, res, bound, last)
         if res.num_repaired_tokens:
             self.stats.repairs += 1

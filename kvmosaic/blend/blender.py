@@ -11,8 +11,8 @@
   "computed for a chunk in one context" (CacheBlend). A segment computed among its real
   neighbours deviates far less when moved than one computed alone or behind the head only,
   and a request whose segments are all new is an exact full prefill;
-* in auto mode, the reused tokens recomputed here (not a moved chunk's head) fold into their
-  chunks' stored means over contexts (:meth:`Blender.fold`, ``blend/store.py``).
+* with ``fold`` (automatic reuse), the reused tokens recomputed here (not a moved chunk's head) fold
+  into their chunks' stored means over contexts (:meth:`Blender.fold`, ``blend/store.py``).
 
 Modes: ``shift`` recomputes only the non-segment tokens; ``blend`` also recomputes the reused
 tokens whose early-layer KV deviates most (a ratio, or all above a threshold), or those
@@ -146,9 +146,11 @@ class Blender:
         cache_salt: str | None = None,
         adapter_id: str | None = None,
         logits_positions: list[int] | None = None,
+        fold: bool = False,
     ) -> BlendResult:
         """``slots`` ``[len(token_ids)]``: where each token's KV goes; those before ``start``
-        hold a prefix hit (read only). Logits default to the last token's."""
+        hold a prefix hit (read only). Logits default to the last token's. With ``fold`` (automatic
+        reuse, once per request), the reused tokens recomputed here join their chunks' context means."""
         n = len(token_ids)
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions = logits_positions if logits_positions is not None else [n - 1]
@@ -164,7 +166,7 @@ class Blender:
             if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start, kvt,
                               left=self.store.left_digest(token_ids, span.start)):
                 stored += span.num_tokens
-        if opts.mode == "auto":  # the reused tokens this context recomputed join their chunks' means
+        if fold:  # the reused tokens this context recomputed join their chunks' means
             chosen, folds = reused & out.recomputed, []  # (a moved chunk's head is recomputed every time anyway)
             for span, entry in placed.found:
                 at = torch.arange(max(span.start, start), span.end)
