@@ -16,8 +16,9 @@ context fold into its tensor (:meth:`SegmentKVStore.fold`), which then holds, pe
 KV of every context it was computed in (K aligned at ``origin`` first), up to :data:`FOLD_CAP` of them
 (past it, each new context weighs ``1 / FOLD_CAP``). A new context's KV is nearer that mean than it is to
 any one earlier context's (the spread of one context about the mean counts once instead of twice):
-reordered RAG documents whose chunks were computed in two contexts drifted ~20% less (KL to full prefill,
-BENCHMARKS.md, issue 24). Folds are kept in memory; a tier holds the segment as first stored.
+reordered RAG documents in plain text whose chunks were computed in two contexts drifted ~30% less (KL to
+full prefill; no less in chat form: BENCHMARKS.md, issue 24). Folds are kept in memory; a tier holds the
+segment as first stored.
 """
 
 from __future__ import annotations
