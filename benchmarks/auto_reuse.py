@@ -28,6 +28,7 @@ Run: ``python -m benchmarks.auto_reuse`` (``--requests``, ``--ratio``, ``--max-d
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -189,10 +190,12 @@ class Harness:
         e.config.segment_reuse = "auto" if auto else "off"
         return self.llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
 
-    def forced(self, auto: bool, prompt: str, warm: str, answer: list[int]):
-        """Log-probabilities at the answer's positions (answer forced), as the engine would
-        compute them: the prefix hit first, then (auto) the chunks found, blended and guarded."""
-        e, sr = self.engine, self.engine.segment_reuse
+    @contextlib.contextmanager
+    def forced_slots(self, prompt: str, warm: str, answer: list[int]):
+        """Slots for ``prompt`` and ``answer`` but its last token, allocated as the engine would behind the
+        prefix hit of ``warm`` alone: yields (prompt ids, ids, slots, start, the logits positions: the
+        prompt's last and the answer's), freed on exit."""
+        e = self.engine
         e.reset_prefix_cache()
         e.config.segment_reuse = "off"
         self.llm.generate({"prompt_token_ids": self.ids(warm)}, SamplingParams(max_tokens=1))
@@ -200,16 +203,21 @@ class Harness:
         ids = p_ids + answer[:-1]
         fake = PlainRequest(f"forced-{time.monotonic_ns()}", ids)
         match = e.cache.match_prefix(fake)
-        start = min(match.num_tokens, len(p_ids) - 1)
         table = e.cache.allocate_slots(fake, len(ids), match)
-        positions = list(range(len(p_ids) - 1, len(ids)))
         try:
-            slots = e.kv.slots(table, len(ids))
+            yield (p_ids, ids, e.kv.slots(table, len(ids)), min(match.num_tokens, len(p_ids) - 1),
+                   list(range(len(p_ids) - 1, len(ids))))
+        finally:
+            e.cache.free(fake)
+
+    def forced(self, auto: bool, prompt: str, warm: str, answer: list[int]):
+        """Log-probabilities at the answer's positions (answer forced), as the engine would
+        compute them: the prefix hit first, then (auto) the chunks found, blended and guarded."""
+        e, sr = self.engine, self.engine.segment_reuse
+        with self.forced_slots(prompt, warm, answer) as (p_ids, ids, slots, start, positions):
             spans = (sr.auto.plan(p_ids, start, None, None) or ()) if auto else ()
             res = sr.blender.prefill(ids, spans, slots, start, self.opts, logits_positions=positions)
             verdict = guard(e.model, e.kv, ids, slots, res, e.config.auto_reuse_max_drift, positions)
-        finally:
-            e.cache.free(fake)
         return torch.log_softmax(verdict.logits.float(), -1), verdict, res
 
 

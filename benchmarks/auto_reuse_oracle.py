@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import random
-import time
 from dataclasses import replace
 
 import torch
@@ -35,9 +34,7 @@ import torch
 from kvmosaic.bench.machine import describe
 from kvmosaic.blend.blender import picker
 from kvmosaic.blend.forward import blend_forward
-from kvmosaic.cache.manager import PlainRequest
 from kvmosaic.engine.arg_utils import EngineArgs
-from kvmosaic.engine.sampling_params import SamplingParams
 
 from .auto_reuse import FORCED, Harness, Req, Stats, earlier_traffic, rag_requests
 from .blend_quality import kl
@@ -66,20 +63,9 @@ def forced_kl(h: Harness, r: Req, answer: list[int]) -> tuple[float, float, int]
     """(KL mean of the engine's choice, of the oracle's, prompt rows recomputed) for one request, on
     the slots the engine would give it behind its prefix hit."""
     e, blender, auto = h.engine, h.engine.segment_reuse.blender, h.engine.segment_reuse.auto
-    e.reset_prefix_cache()
-    e.config.segment_reuse = "off"
-    h.llm.generate({"prompt_token_ids": h.ids(r.warm)}, SamplingParams(max_tokens=1))
-    p_ids = h.ids(r.prompt)
-    ids = p_ids + answer[:-1]
-    fake = PlainRequest(f"oracle-{time.monotonic_ns()}", ids)
-    match = e.cache.match_prefix(fake)
-    start = min(match.num_tokens, len(p_ids) - 1)
-    table = e.cache.allocate_slots(fake, len(ids), match)
-    positions = list(range(len(p_ids) - 1, len(ids)))
-    pos_t, ids_t = torch.tensor(positions), torch.tensor(ids)
     opts = replace(h.opts, max_drift=None)
-    try:
-        slots = e.kv.slots(table, len(ids))
+    with h.forced_slots(r.prompt, r.warm, answer) as (p_ids, ids, slots, start, positions):
+        pos_t, ids_t = torch.tensor(positions), torch.tensor(ids)
         full = blend_forward(e.model, e.kv, ids_t, slots, start, torch.zeros(len(ids), dtype=torch.bool), pos_t, None)
         ref = torch.log_softmax(full.logits.float(), -1)
         exact = blender.read(slots)
@@ -95,8 +81,6 @@ def forced_kl(h: Harness, r: Req, answer: list[int]) -> tuple[float, float, int]
             out = blend_forward(e.model, e.kv, ids_t, slots, start, reused, pos_t, pick, opts.check_layer)
             kls.append(float(kl(ref, torch.log_softmax(out.logits.float(), -1)).mean()))
             rows = int(out.recomputed[start : len(p_ids)].sum())
-    finally:
-        e.cache.free(fake)
     return kls[0], kls[1], rows
 
 
