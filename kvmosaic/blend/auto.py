@@ -144,10 +144,11 @@ class AutoReuse:
         for c in self.chunks(token_ids):
             if c in skip:
                 continue
-            entry = self.store.index.entries.get(self.store.key(token_ids[c.start : c.end], salt, adapter))
-            if entry is None:
+            tokens = token_ids[c.start : c.end]
+            key = self.store.key(tokens, salt, adapter)
+            if key not in self.store.index:
                 missing.append(c)
-            elif c.start >= computed_from:
+            elif c.start >= computed_from and (entry := self.store.index.peek(key, tokens)) is not None:
                 folds.append((c, entry, torch.arange(c.start, c.end)))
         self.blender.fold(folds, slots)
         if not missing:

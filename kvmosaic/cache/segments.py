@@ -92,6 +92,11 @@ class SegmentIndex:
         self.stats.hits += len(tokens)
         return entry
 
+    def peek(self, key: SegmentKey, tokens: Sequence[int]) -> SegmentEntry | None:
+        """The entry for ``key`` if its tokens match, without counting a lookup or touching its recency."""
+        entry = self.entries.get(key)
+        return entry if entry is not None and entry.tokens == tuple(tokens) else None
+
     def insert(self, key: SegmentKey, tokens: Sequence[int], origin: int, nbytes: int,
                left: bytes | None = None) -> list[SegmentKey] | None:
         """Admit an entry, evicting least recently used ones to make room. Returns the
