@@ -8,7 +8,8 @@ prompt, with no markup.
   last chunk, or a blend), each chunk of at least :data:`MIN_CHUNK` tokens that the segment
   store lacks is copied from the pool into it, keyed by (namespace, model, dtype, tokens):
   the store of marked segments (``blend/store.py``; so chunks live in the tiers as segments
-  do, and a cache salt keeps tenants apart there as everywhere).
+  do, and a cache salt keeps tenants apart there as everywhere). The engine does it once the
+  step that completed the prompt is out, off its first token's path (``blend/engine_hook.py``).
 * **Lookup.** A newly admitted prompt takes its prefix hit first; then every chunk that starts
   at or after the hit and is in the store is a candidate. With at least :data:`MIN_REUSE`
   tokens found, the prompt is blended (``Blender.prefill``: moved by RoPE, the most deviating
@@ -89,6 +90,7 @@ class AutoResult:
     fell_back: bool
     exact_until: int
     num_repaired_tokens: int  # recomputed beyond the ratio to meet the bound (guard.py)
+    folds: list  # the reused tokens recomputed, for save() (BlendResult.folds)
 
 
 class AutoReuse:
@@ -115,7 +117,8 @@ class AutoReuse:
 
     def prefill(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
                 opts: BlendOptions, bound: float, salt: str | None, adapter: str | None) -> AutoResult:
-        """Blend ``spans`` (from :meth:`plan`) into the prompt, guard, store the new chunks."""
+        """Blend ``spans`` (from :meth:`plan`) into the prompt and guard it. Storing what it computed
+        is :meth:`save`'s, once the prompt's first token is out."""
         last = [len(token_ids) - 1]
         res = self.blender.prefill(token_ids, spans, slots, start, opts, salt, adapter, last, fold=True)
         verdict = guard(self.blender.model, self.blender.kv, token_ids, slots, res, bound, last)
@@ -127,20 +130,25 @@ class AutoReuse:
         elif verdict.num_reused_tokens:
             self.stats.requests += 1
             self.stats.tokens += verdict.num_reused_tokens
-        self.harvest(token_ids, slots, salt, adapter, reused=spans, computed_from=start)
         return AutoResult(verdict.logits, verdict.num_reused_tokens, verdict.drift, verdict.fell_back,
-                          verdict.exact_until, res.num_repaired_tokens)
+                          verdict.exact_until, res.num_repaired_tokens, res.folds)
+
+    def save(self, token_ids: list[int], slots: torch.Tensor, salt: str | None, adapter: str | None,
+              spans: tuple[SegmentSpan, ...], start: int, folds: list) -> int:
+        """After :meth:`prefill` (``spans``, ``start`` and its result's ``folds``), with the prompt's KV still at
+        ``slots``: fold what it recomputed of the reused chunks and :meth:`harvest` the rest."""
+        return self.harvest(token_ids, slots, salt, adapter, reused=spans, computed_from=start, folds=folds)
 
     def harvest(self, token_ids: list[int], slots: torch.Tensor, salt: str | None, adapter: str | None,
-                reused: tuple[SegmentSpan, ...] = (), computed_from: int = 0) -> int:
+                reused: tuple[SegmentSpan, ...] = (), computed_from: int = 0, folds: list = ()) -> int:
         """Store the chunks of a prompt whose KV is complete at ``slots`` that the store lacks, and fold
         those it holds into their context means (``SegmentKVStore.fold``) where this prompt computed them:
         not inside its prefix hit (before ``computed_from``: a context the cache saw already), nor the
-        ``reused`` ones (a blend's: their KV here is mostly the stored one; ``Blender.prefill`` folds what
-        it recomputed of them). One gather from the pool for what is stored, one for what is folded;
-        returns how many chunks were stored."""
+        ``reused`` ones (a blend's: their KV here is mostly the stored one; ``folds``, from
+        ``BlendResult.folds``, are what it recomputed of them). One gather from the pool for what is
+        stored, one for what is folded; returns how many chunks were stored."""
         skip = set(reused)
-        missing, folds = [], []
+        missing, folds = [], list(folds)
         for c in self.chunks(token_ids):
             if c in skip:
                 continue

@@ -11,8 +11,9 @@
   "computed for a chunk in one context" (CacheBlend). A segment computed among its real
   neighbours deviates far less when moved than one computed alone or behind the head only,
   and a request whose segments are all new is an exact full prefill;
-* with ``fold`` (automatic reuse), the reused tokens recomputed here (not a moved chunk's head) fold
-  into their chunks' stored means over contexts (:meth:`Blender.fold`, ``blend/store.py``).
+* with ``fold`` (automatic reuse), the result lists the reused tokens recomputed here (not a moved
+  chunk's head) for the caller to fold into their chunks' stored means over contexts once the step is
+  out (:attr:`BlendResult.folds`, :meth:`Blender.fold`, ``blend/store.py``).
 
 Modes: ``shift`` recomputes only the non-segment tokens; ``blend`` also recomputes the reused
 tokens whose early-layer KV deviates most (a ratio, or all above a threshold), or those
@@ -27,7 +28,7 @@ cache may index what is exact and nothing after.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -100,6 +101,8 @@ class BlendResult:
     drift_attn: float = 0.0
     # Reused tokens recomputed beyond the ratio to bring ``drift`` within ``BlendOptions.max_drift``
     num_repaired_tokens: int = 0
+    # With ``fold``: (span, its store entry, the prompt positions in it recomputed here), for Blender.fold
+    folds: list = field(default_factory=list)
 
 
 @dataclass
@@ -150,7 +153,8 @@ class Blender:
     ) -> BlendResult:
         """``slots`` ``[len(token_ids)]``: where each token's KV goes; those before ``start``
         hold a prefix hit (read only). Logits default to the last token's. With ``fold`` (automatic
-        reuse, once per request), the reused tokens recomputed here join their chunks' context means."""
+        reuse, once per request), :attr:`BlendResult.folds` lists the reused tokens recomputed here, which
+        :meth:`fold` joins to their chunks' context means."""
         n = len(token_ids)
         ids = torch.tensor(token_ids, dtype=torch.long)
         positions = logits_positions if logits_positions is not None else [n - 1]
@@ -166,19 +170,19 @@ class Blender:
             if self.store.put(token_ids[span.start : span.end], cache_salt, adapter_id, span.start, kvt,
                               left=self.store.left_digest(token_ids, span.start)):
                 stored += span.num_tokens
-        if fold:  # the reused tokens this context recomputed join their chunks' means
-            chosen, folds = reused & out.recomputed, []  # (a moved chunk's head is recomputed every time anyway)
+        folds = []
+        if fold:  # the reused tokens this context recomputed (a moved chunk's head is recomputed every time)
+            chosen = reused & out.recomputed
             for span, entry in placed.found:
                 at = torch.arange(max(span.start, start), span.end)
                 folds.append((span, entry, at[chosen[at]]))
-            self.fold(folds, slots)
         kept = reused & ~out.recomputed
         inexact = kept.nonzero()
         scored = out.deviation is not None and bool(kept.any())
         drift = drift_estimate(out.deviation[kept]) if scored else 0.0
         drift_attn = float((out.deviation * out.attention)[kept].sum()) if scored else 0.0
         return BlendResult(out.logits, int(kept.sum()), stored, int((reused & out.recomputed).sum()),
-                           int(inexact[0]) if inexact.numel() else n, drift, drift_attn, sum(repaired))
+                           int(inexact[0]) if inexact.numel() else n, drift, drift_attn, sum(repaired), folds)
 
     def place(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
               head: int, logits_positions: list[int], cache_salt: str | None = None,
@@ -205,9 +209,10 @@ class Blender:
     def fold(self, folds: list[tuple[SegmentSpan, SegmentEntry, torch.Tensor]], slots: torch.Tensor) -> None:
         """For each (span, its store entry, prompt positions inside the span): fold the KV now at those
         positions' ``slots`` (computed in this prompt's context) into the entry's stored means
-        (``SegmentKVStore.fold``), K moved from the span's positions to the entry's own. One gather from
-        the pool and one re-rotation for all of them."""
-        folds = [f for f in folds if f[2].numel()]
+        (``SegmentKVStore.fold``), K moved from the span's positions to the entry's own; an entry the store
+        no longer holds (evicted or stored again since) is passed over. One gather from the pool and one
+        re-rotation for all of them."""
+        folds = [f for f in folds if f[2].numel() and self.store.index.peek(f[1].key, f[1].tokens) is f[1]]
         if not folds:
             return
         positions = torch.cat([p for _, _, p in folds])

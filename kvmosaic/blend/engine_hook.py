@@ -15,11 +15,20 @@ With ``segment_reuse="auto"`` (blend/auto.py) an unmarked prompt is looked up by
 the step that admits it; one with enough found takes the blend path (then the guard), the rest
 run as ordinary prefills, and every prompt's chunks are stored once its KV is complete
 (:meth:`SegmentReuse.harvest`). With any other mode nothing here touches an unmarked prompt.
+
+Storing is off the first token's path: the step that completes a prompt only takes one more
+reference on its blocks (``KVCacheManager.hold``); the chunks are stored and folded by
+:meth:`SegmentReuse.finish_pending`, which the engine runs at the start of its next step (or when
+its caller stops stepping), after the step's outputs went out, and which then drops the references.
+Until then the prompt's KV stays where it was written even if the request has finished; a failed
+store costs the store those chunks, never the request.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from functools import partial
 
 import torch
 
@@ -51,6 +60,7 @@ class SegmentReuse:
                                     tiers, model_fingerprint, kv)
         self.blender = Blender(model, kv, self.store)
         self._tokenizer, self._auto = tokenizer, None
+        self._pending: list[tuple[Callable[[], object], list]] = []  # (store work, the blocks it holds)
 
     @property
     def auto(self) -> AutoReuse | None:
@@ -132,8 +142,8 @@ class SegmentReuse:
 
     def harvest(self, batch: list, cache) -> None:
         """Auto mode: store the chunks of every ordinary prompt whose prefill this step
-        completes (the runner has written its KV; ``num_computed_tokens`` is not advanced yet).
-        A failure costs the store those chunks, never the request."""
+        completes (the runner has written its KV; ``num_computed_tokens`` is not advanced yet),
+        once the step is out (:meth:`finish_pending`)."""
         if not self.auto_on:
             return
         for s, table in batch:
@@ -141,11 +151,28 @@ class SegmentReuse:
             n = seq.num_prompt_tokens
             if not seq.num_computed_tokens < n <= seq.num_computed_tokens + s.num_new_tokens:
                 continue
+            self._defer(cache, seq.request_id,
+                        partial(self.auto.harvest, seq.prompt_token_ids, self.kv.slots(table, n), seq.cache_salt,
+                                seq.adapter_id, computed_from=max(seq.num_cached_tokens, 0)))
+
+    def _defer(self, cache, request_id: str, work: Callable[[], object]) -> None:
+        self._pending.append((work, cache.hold(request_id)))
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._pending)
+
+    def finish_pending(self, cache) -> None:
+        """Run the stores deferred by the steps before (module docstring), then drop the references
+        that kept their KV in place. A failure costs the store those chunks, never a request."""
+        pending, self._pending = self._pending, []
+        for work, held in pending:
             try:
-                self.auto.harvest(seq.prompt_token_ids, self.kv.slots(table, n), seq.cache_salt, seq.adapter_id,
-                                  computed_from=max(seq.num_cached_tokens, 0))
+                work()
             except Exception:  # noqa: BLE001 - storing is an optimisation
-                logger.exception("storing the chunks of request %s failed", seq.request_id)
+                logger.exception("storing the chunks of a prompt failed")
+            finally:
+                cache.release(held)
 
     def _blend_one(self, s, cache, opts: BlendOptions) -> torch.Tensor:
         seq = s.seq
@@ -157,6 +184,8 @@ class SegmentReuse:
                                     seq.cache_salt, seq.adapter_id)
             seq.num_auto_tokens, seq.auto_drift, seq.auto_fallback = res.num_reused_tokens, res.drift, res.fell_back
             seq.num_auto_repaired = res.num_repaired_tokens
+            self._defer(cache, seq.request_id, partial(self.auto.save, seq.prompt_token_ids, slots, seq.cache_salt,
+                                                       seq.adapter_id, spans, start, res.folds))
             seq.cache_limit = max(start, res.exact_until)
             s.num_new_tokens = seq.num_tokens - start
             return res.logits

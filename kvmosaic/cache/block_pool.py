@@ -21,9 +21,10 @@ and property-tested in test_block_pool.py and test_radix_tree.py):
 * a pinned block holds one reference owned by the pin table (so it is *in use* and never
   evicted); at most ``max_pinned_blocks`` distinct blocks are pinned.
 
-Other owners of references (a radix tree holds one per node covering a block) are in use
-as far as the pool knows; they give blocks back with :meth:`free_blocks`, and drop a block's
-hash with :meth:`uncache_block` when its content stops being reachable.
+Other owners of references (a radix tree holds one per node covering a block; :meth:`hold`, one
+per block until work deferred past a step has read it) are in use as far as the pool knows; they
+give blocks back with :meth:`free_blocks`, and drop a block's hash with :meth:`uncache_block` when
+its content stops being reachable.
 """
 
 from __future__ import annotations
@@ -172,6 +173,14 @@ class BlockPool:
                     self.free_queue.append(block)
                 else:
                     self.evictor.add(block)
+
+    def hold(self, blocks: Iterable[KVBlock]) -> None:
+        """One more reference on each block in use (its owner's stays), dropped by
+        :meth:`free_blocks`: the block keeps its KV after its owner frees it."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"{block} is not in use")
+            block.ref_cnt += 1
 
     # ---- pinning -------------------------------------------------------------------------
     def pin(self, blocks: Sequence[KVBlock]) -> bool:

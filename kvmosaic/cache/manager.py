@@ -301,6 +301,18 @@ class KVCacheManager(ABC):
         out, self.pending_copies = self.pending_copies, []
         return out
 
+    def hold(self, request_id: str) -> list[KVBlock]:
+        """One more reference on each block of the request's table, so that their KV stays where it
+        is after the request frees them, until :meth:`release`: work on a request's KV deferred past
+        its step (automatic reuse's stores, blend/engine_hook.py)."""
+        blocks = list(self.req_blocks.get(request_id, ()))
+        self.pool.hold(blocks)
+        return blocks
+
+    def release(self, blocks: list[KVBlock]) -> None:
+        """Drop the references :meth:`hold` took (tail first, as a request frees its blocks)."""
+        self.pool.free_blocks(reversed(blocks))
+
     def free(self, req: CacheRequest) -> None:
         blocks = self.req_blocks.pop(req.request_id, [])
         self.hashers.pop(req.request_id, None)

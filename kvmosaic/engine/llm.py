@@ -89,6 +89,7 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
                     bar.update(1)
+        self.engine.finish_pending()
         bar.close()
         return [done[i] for i in ids]
 

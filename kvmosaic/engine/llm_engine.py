@@ -7,8 +7,8 @@ validates it; the core here schedules, executes and samples; the
 :class:`~.output_processor.OutputProcessor` detokenises, applies stops and builds outputs.
 Callers outside the engine (the server, the ``LLM`` API) use only the public methods and
 fields below: ``add_request`` / ``add_processed``, ``abort_request``, ``step``,
-``has_unfinished_requests``, ``reset_prefix_cache``, ``get_stats``, ``model_info``,
-``tokenizer``, ``max_model_len``, ``inputs``, ``events``.
+``has_unfinished_requests``, ``finish_pending``, ``reset_prefix_cache``, ``get_stats``,
+``model_info``, ``tokenizer``, ``max_model_len``, ``inputs``, ``events``.
 
 Parallel sampling (``SamplingParams.n > 1``) computes the prompt once and forks the samples
 from it (engine/parallel_sampling.py).
@@ -208,6 +208,7 @@ class LLMEngine:
 
     # ---- one step ------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        self.finish_pending()  # the last step's deferred work, its outputs being out
         sched = self.scheduler.schedule()
         self.num_preemptions += len(sched.preempted)
         if sched.scheduled:
@@ -353,8 +354,16 @@ class LLMEngine:
         self.samples.end_with(seq)
         return self.outputs.make_output(seq)
 
+    def finish_pending(self) -> None:
+        """Work a step deferred past its outputs (automatic reuse's stores: blend/engine_hook.py), done
+        now. Every step starts with it; a caller that stops stepping (idle, or done) calls it, so that the
+        blocks that work holds go back to the pool."""
+        if self.segment_reuse.has_pending:
+            self.segment_reuse.finish_pending(self.cache)
+
     # ---- cache control and stats ---------------------------------------------------------
     def reset_prefix_cache(self) -> bool:
+        self.finish_pending()
         cached = list(self.pool.cached) if self.watch is not None else []
         done = self.cache.reset_prefix_cache()
         if done and self.watch is not None:

@@ -328,5 +328,6 @@ class AsyncEngine:
             if busy:
                 self._anticipate()
             if self.engine.has_unfinished_requests():
-                self._step()
+                self._step()  # its outputs are out to their streams: what it deferred runs now
+            self.engine.finish_pending()
             self._flush()
