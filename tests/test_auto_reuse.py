@@ -328,3 +328,19 @@ def test_a_failed_deferred_store_costs_the_chunks_not_the_request_nor_the_blocks
     assert out.finish_reason == "length" and len(out.token_ids) == GREEDY.max_tokens
     assert "storing the chunks of a prompt failed" in caplog.text
     assert len(sr.store.index) == 0 and not sr.has_pending and e.pool.num_free_blocks == free
+
+
+def test_contexts_hold_back_moved_chunks_not_a_repair_at_the_same_position():
+    """``auto_reuse_contexts=4``: a document moved to another position waits for its contexts, but the
+    chunks behind an early edit, where they were computed and after the same tokens, are reused at once."""
+    four = LLM(dtype="float32", num_kv_blocks=256, segment_cache_memory=128 << 20, segment_reuse="auto",
+               auto_reuse_contexts=4)
+
+    def head(t):
+        return f"<|im_start|>system\nNow: {t}\n\n" + "\n\n".join(DOCS) + "<|im_end|>\n<|im_start|>user\n"
+    run(four, text([], "Who knows the code?", head("2026-11-23 21:40:05")))
+    edit = run(four, text([], "Who knows the code?", head("2026-11-24 08:01:17")))
+    # all but the chunk right after the edit (a left context it was not computed after)
+    assert edit.num_cached_tokens < 16 and edit.auto_reuse["tokens"] > 0.5 * len(edit.prompt_token_ids)
+    moved = run(four, text(DOCS[::-1]))
+    assert moved.auto_reuse["tokens"] == 0  # stored in one context (the system prompt's) only

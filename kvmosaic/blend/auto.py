@@ -19,8 +19,9 @@ prompt, with no markup.
 * **Context means.** A stored chunk's tokens computed again in another context join its stored KV, a
   per-token mean over the contexts (``SegmentKVStore.fold``): a chunk of an ordinary prefill that the
   store holds already, and the reused chunks' tokens a blend recomputes (``Blender.prefill``). With
-  ``contexts`` above 1 (``auto_reuse_contexts``) a chunk is reused only once it was computed in that
-  many contexts; until then a prompt computes it in full (and folds it in).
+  ``contexts`` above 1 (``auto_reuse_contexts``) a moved chunk is reused only once it was computed in that
+  many contexts; until then a prompt computes it in full (and folds it in). A chunk found where it was
+  computed, after the same tokens (behind an early edit), is reused at once.
 * **Guard.** ``blend/guard.py`` bounds the drift estimate per request: the blend recomputes
   the most deviating reused tokens until the estimate is within the bound, and a result still
   above it falls back to a full prefill of the uncertain part.
@@ -105,15 +106,22 @@ class AutoReuse:
 
     def plan(self, token_ids: list[int], start: int, salt: str | None,
              adapter: str | None) -> tuple[SegmentSpan, ...] | None:
-        """The stored chunks at or after ``start`` (the prefix hit) worth blending (computed in at least
-        ``contexts`` contexts), or None."""
+        """The stored chunks at or after ``start`` (the prefix hit) worth blending (:meth:`_ready`), or None."""
         found = tuple(c for c in self.chunks(token_ids)
-                      if c.start >= start and c.end < len(token_ids) and self._ready(token_ids[c.start : c.end], salt, adapter))
+                      if c.start >= start and c.end < len(token_ids) and self._ready(token_ids, c, salt, adapter))
         return found if sum(c.num_tokens for c in found) >= MIN_REUSE else None
 
-    def _ready(self, tokens: list[int], salt: str | None, adapter: str | None) -> bool:
-        hit = self.store.get(tokens, salt, adapter)
-        return hit is not None and (self.contexts <= 1 or self.store.contexts_of(hit[0].key) >= self.contexts)
+    def _ready(self, token_ids: list[int], chunk: SegmentSpan, salt: str | None, adapter: str | None) -> bool:
+        """Whether ``chunk`` is stored and computed in at least ``contexts`` contexts, or found where it was
+        computed, after the same tokens (cache repair: its KV is this context's but for edits further left,
+        and a mean over contexts would add nothing)."""
+        hit = self.store.get(token_ids[chunk.start : chunk.end], salt, adapter)
+        if hit is None:
+            return False
+        entry = hit[0]
+        if self.contexts <= 1 or self.store.contexts_of(entry.key) >= self.contexts:
+            return True
+        return entry.origin == chunk.start and entry.left == self.store.left_digest(token_ids, chunk.start)
 
     def prefill(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
                 opts: BlendOptions, bound: float, salt: str | None, adapter: str | None) -> AutoResult:
