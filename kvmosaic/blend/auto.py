@@ -20,8 +20,8 @@ prompt, with no markup.
   per-token mean over the contexts (``SegmentKVStore.fold``): a chunk of an ordinary prefill that the
   store holds already, and the reused chunks' tokens a blend recomputes (``Blender.prefill``). With
   ``contexts`` above 1 (``auto_reuse_contexts``) a moved chunk is reused only once it was computed in that
-  many contexts; until then a prompt computes it in full (and folds it in). A chunk found where it was
-  computed, after the same tokens (behind an early edit), is reused at once.
+  many contexts; until then a prompt computes it in full (and folds it in). A chunk found in place
+  (after the same tokens, within :data:`IN_PLACE` positions: behind an early edit) is reused at once.
 * **Guard.** ``blend/guard.py`` bounds the drift estimate per request: the blend recomputes
   the most deviating reused tokens until the estimate is within the bound, and a result still
   above it falls back to a full prefill of the uncertain part.
@@ -47,6 +47,9 @@ from .store import SegmentKVStore
 
 MIN_CHUNK = 8  # chunks shorter than this are neither stored nor looked up
 MIN_REUSE = 32  # found tokens below which a prompt is an ordinary prefill
+# A chunk found after the tokens it was computed after and at most this many positions away is in place
+# (an early edit): reused without waiting for ``contexts``. A reordered document moves by whole documents.
+IN_PLACE = 16
 # Reused tokens deviating at most this above the KV's own rounding (auto_floor) at the check layer
 # are never recomputed (BlendOptions.floor): a chunk found at its own position behind a small edit
 # (a timestamp) deviates ~1e-4 past the first tokens after the edit in float32, a reordered document
@@ -112,16 +115,17 @@ class AutoReuse:
         return found if sum(c.num_tokens for c in found) >= MIN_REUSE else None
 
     def _ready(self, token_ids: list[int], chunk: SegmentSpan, salt: str | None, adapter: str | None) -> bool:
-        """Whether ``chunk`` is stored and computed in at least ``contexts`` contexts, or found where it was
-        computed, after the same tokens (cache repair: its KV is this context's but for edits further left,
-        and a mean over contexts would add nothing)."""
+        """Whether ``chunk`` is stored and computed in at least ``contexts`` contexts, or found in place: after
+        the same tokens and at most :data:`IN_PLACE` positions from where it was computed (cache repair: an
+        early edit, a name of another length; its KV is this context's but for edits further left, and a
+        mean over contexts would add nothing)."""
         hit = self.store.get(token_ids[chunk.start : chunk.end], salt, adapter)
         if hit is None:
             return False
         entry = hit[0]
         if self.contexts <= 1 or self.store.contexts_of(entry.key) >= self.contexts:
             return True
-        return entry.origin == chunk.start and entry.left == self.store.left_digest(token_ids, chunk.start)
+        return abs(entry.origin - chunk.start) <= IN_PLACE and entry.left == self.store.left_digest(token_ids, chunk.start)
 
     def prefill(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
                 opts: BlendOptions, bound: float, salt: str | None, adapter: str | None) -> AutoResult:
