@@ -283,35 +283,38 @@ def test_a_chunk_waits_for_its_contexts_then_is_reused_as_their_mean(plain):
     assert counts.min() >= 2 and counts.max() == 3  # the third context's recomputed tokens joined
 
 
-def test_chunks_are_stored_after_the_step_from_blocks_held_until_then(llm):
+@pytest.mark.parametrize("prefix_cache", ["hash", "radix"])
+def test_chunks_are_stored_after_the_step_from_blocks_held_until_then(llm, prefix_cache):
     """A prompt's chunks are stored once the step that completed it is out (``finish_pending``, which the
     next step starts with), from its KV where the step wrote it: the finished request's blocks stay held
-    (nothing can take them) until then, and go back to the pool after."""
+    (nothing can take them) until then, and go back to the pool after; with either prefix cache."""
     from kvmosaic.cache.manager import PlainRequest
 
+    if prefix_cache == "radix":
+        llm = LLM(dtype="float32", num_kv_blocks=256, segment_cache_memory=128 << 20, segment_reuse="auto",
+                  prefix_cache="radix")
     e, sr = llm.engine, llm.engine.segment_reuse
     sr.store.clear()
     assert e.reset_prefix_cache()
-    free = e.pool.num_free_blocks
+    free = e.pool.num_free_blocks  # every block
     e.add_request(text(DOCS), SamplingParams(max_tokens=1, temperature=0), request_id="deferred")
     (out,) = e.step()
     assert out.finished and len(sr.store.index) == 0 and sr.has_pending
     held = -(-len(out.prompt_token_ids) // e.cache.block_size)
-    assert e.pool.num_free_blocks == free - held  # finished, its blocks still held
-    n = e.pool.num_free_blocks * e.cache.block_size
+    n = (free - held) * e.cache.block_size
     grab = PlainRequest("grab", list(range(n)))
-    assert e.cache.allocate_slots(grab, n) is not None  # every block not held ...
+    assert e.cache.allocate_slots(grab, n) is not None  # every block not held (the cache gives up its own) ...
     assert e.cache.allocate_slots(PlainRequest("more", [1]), 1) is None  # ... and no more
     for layer in range(len(e.kv.k)):  # whatever the taker writes leaves the held KV alone
-        slots = e.kv.slots(e.cache.block_table("grab"), n)
-        e.kv.k[layer][slots] = 7.0
+        e.kv.k[layer][e.kv.slots(e.cache.block_table("grab"), n)] = 7.0
     e.finish_pending()
     e.cache.free(grab)
-    assert len(sr.store.index) > 0 and not sr.has_pending and e.pool.num_free_blocks == free
+    assert len(sr.store.index) > 0 and not sr.has_pending
     assert all(not (t == 7.0).any() for t in sr.store.tensors.values())
+    assert e.reset_prefix_cache() and e.pool.num_free_blocks == free  # the held blocks went back
     again = run(llm, text(DOCS[::-1]))
     assert again.auto_reuse["tokens"] > 0 and not sr.has_pending  # LLM.generate leaves nothing pending
-    assert e.pool.num_free_blocks == free
+    assert e.reset_prefix_cache() and e.pool.num_free_blocks == free
 
 
 def test_a_failed_deferred_store_costs_the_chunks_not_the_request_nor_the_blocks(llm, monkeypatch, caplog):

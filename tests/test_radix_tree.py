@@ -218,6 +218,32 @@ def test_eviction_frees_blocks_when_the_pool_is_short_and_spares_locked_paths():
     assert mgr.size_info().in_use == 0
 
 
+@given(held=st.lists(st.booleans(), min_size=3, max_size=3), ask=st.integers(1, 9))
+@settings(max_examples=60, deadline=None)
+def test_eviction_of_held_blocks_gives_up_the_tree_and_frees_what_it_can(held, ask):
+    """Blocks another owner holds (``KVCacheManager.hold``: work deferred past a step) outlive their leaf:
+    evicting it frees none of them, and eviction goes on with what is left (a split head pushed twice
+    is evicted once), frees every block nobody else holds, and the held ones come back on release."""
+    mgr = make_manager("radix", 9, BS)
+    kv = FakeKV(BS)
+    reqs = [FakeReq(f"r{i}", [10 * i + t for t in range(12)]) for i in range(3)]  # 3 blocks each
+    holds = []
+    for req, h in zip(reqs, held):
+        assert admit(mgr, kv, req)
+        if h:
+            holds.append(mgr.hold(req.request_id))
+        mgr.free(req)
+    mgr.tree.evict(ask)
+    mgr.check_invariants()
+    unheld = 9 - 3 * len(holds)
+    assert min(ask, unheld) <= mgr.pool.num_free_blocks <= unheld
+    for blocks in holds:
+        mgr.release(blocks)
+    mgr.check_invariants()
+    mgr.tree.evict(9)
+    assert mgr.pool.num_free_blocks == 9
+
+
 def test_reset_refused_while_running():
     mgr = make_manager("radix", 16, BS)
     kv = FakeKV(BS)

@@ -297,6 +297,8 @@ class RadixTree:
         free_before = self.pool.num_free_blocks
         while heap and self.pool.num_free_blocks - free_before < num_blocks:
             _, _, leaf = heapq.heappop(heap)
+            if leaf.parent.children.get(leaf.key[0]) is not leaf or not self._evictable_leaf(leaf):
+                continue  # removed already: pushed twice (a split head that then lost its tail)
             still = num_blocks - (self.pool.num_free_blocks - free_before)
             cut = (_ceil_div(leaf.end, self.bs) - still) * self.bs
             if cut > leaf.start:
