@@ -223,7 +223,8 @@ def test_eviction_frees_blocks_when_the_pool_is_short_and_spares_locked_paths():
 def test_eviction_of_held_blocks_gives_up_the_tree_and_frees_what_it_can(held, ask):
     """Blocks another owner holds (``KVCacheManager.hold``: work deferred past a step) outlive their leaf:
     evicting it frees none of them, and eviction goes on with what is left (a split head pushed twice
-    is evicted once), frees every block nobody else holds, and the held ones come back on release."""
+    is evicted once) until it freed what was asked of the blocks nobody else holds; the held ones come back
+    on release."""
     mgr = make_manager("radix", 9, BS)
     kv = FakeKV(BS)
     reqs = [FakeReq(f"r{i}", [10 * i + t for t in range(12)]) for i in range(3)]  # 3 blocks each

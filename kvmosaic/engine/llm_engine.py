@@ -371,7 +371,9 @@ class LLMEngine:
         return done
 
     def close(self) -> None:
-        """Flush queued tier writes and release the tiers (files, sockets, threads)."""
+        """Finish deferred work (its stores reach the tiers too), flush queued tier writes and release
+        the tiers (files, sockets, threads)."""
+        self.finish_pending()
         if self.tiers is not None:
             self.tiers.flush()
             self._tiers_finalizer()
