@@ -178,10 +178,14 @@ def test_marked_segments_keep_working_in_auto_mode(llm):
 
 
 def test_chunks_live_in_the_tiers(tmp_path):
-    """A second engine on the same disk tier (a restart) finds the chunks the first one stored."""
+    """A second engine on the same disk tier (a restart) finds the chunks the first one stored, even those
+    the first stored at its close (deferred past its last step)."""
     tier = [f"disk:{tmp_path}:256MiB"]
     first = LLM(dtype="float32", num_kv_blocks=128, segment_reuse="auto", kv_tiers=tier, auto_reuse_max_drift=0.2)
-    first.generate(text(DOCS), GREEDY)
+    first.engine.add_request(text(DOCS), SamplingParams(max_tokens=1))  # done in the step that prefills it
+    while first.engine.has_unfinished_requests():
+        first.engine.step()
+    assert first.engine.segment_reuse.has_pending
     first.engine.close()
     del first
     second = LLM(dtype="float32", num_kv_blocks=128, segment_reuse="auto", kv_tiers=tier, auto_reuse_max_drift=0.2)
