@@ -5,6 +5,8 @@ keeps a tenant's prompts with a common head on the replica that holds their chun
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 
@@ -58,6 +60,24 @@ def test_reordered_documents_are_reused_for_their_tenant_only(server):
     repaired = again["auto_reuse_repaired_tokens"]  # recomputed beyond the ratio to meet the guard's bound
     assert repaired >= 0 and metric(server, "kvmosaic:auto_reuse_repaired_tokens_total") == repaired
     assert metric(server, "kvmosaic:auto_reuse_repairs_total") == (repaired > 0)
+    assert all(h["kv"]["num_used_blocks"] == 0 for h in server.pool_healths(Authorization="Bearer admin-key"))
+
+
+def test_a_streamed_request_reuses_and_reports_it_and_leaves_no_block_held(server):
+    """Streaming: the chunks arrive, the final usage reports the reuse, and once the stream is done no
+    block is left in use (the stores the engine defers past a step's outputs ran and let them go)."""
+    chat(server, DOCS)  # stored for tenant a (on the replica the router keeps its head on)
+    content = "Answer from these documents.\n\n" + "\n\n".join(DOCS[1:] + DOCS[:1]) + "\n\nWhen was the lighthouse built?"
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0.0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json=body, headers=KEYS["a"], timeout=120) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert any(c["choices"] and c["choices"][0]["delta"].get("content") for c in chunks)
+    usage = chunks[-1]["usage"]
+    assert usage["completion_tokens"] == 4 and usage["prompt_tokens_details"]["auto_reused_tokens"] > 60
     assert all(h["kv"]["num_used_blocks"] == 0 for h in server.pool_healths(Authorization="Bearer admin-key"))
 
 
