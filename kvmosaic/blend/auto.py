@@ -94,7 +94,7 @@ class AutoResult:
     fell_back: bool
     exact_until: int
     num_repaired_tokens: int  # recomputed beyond the ratio to meet the bound (guard.py)
-    folds: list  # the reused tokens recomputed, for save() (BlendResult.folds)
+    folds: list  # the reused tokens recomputed, for harvest(folds=...) (BlendResult.folds)
 
 
 class AutoReuse:
@@ -130,7 +130,8 @@ class AutoReuse:
     def prefill(self, token_ids: list[int], spans: tuple[SegmentSpan, ...], slots: torch.Tensor, start: int,
                 opts: BlendOptions, bound: float, salt: str | None, adapter: str | None) -> AutoResult:
         """Blend ``spans`` (from :meth:`plan`) into the prompt and guard it. Storing what it computed
-        is :meth:`save`'s, once the prompt's first token is out."""
+        is :meth:`harvest`'s (``reused=spans``, ``computed_from=start``, the result's ``folds``), once the
+        prompt's first token is out."""
         last = [len(token_ids) - 1]
         res = self.blender.prefill(token_ids, spans, slots, start, opts, salt, adapter, last, fold=True)
         verdict = guard(self.blender.model, self.blender.kv, token_ids, slots, res, bound, last)
@@ -144,12 +145,6 @@ class AutoReuse:
             self.stats.tokens += verdict.num_reused_tokens
         return AutoResult(verdict.logits, verdict.num_reused_tokens, verdict.drift, verdict.fell_back,
                           verdict.exact_until, res.num_repaired_tokens, res.folds)
-
-    def save(self, token_ids: list[int], slots: torch.Tensor, salt: str | None, adapter: str | None,
-              spans: tuple[SegmentSpan, ...], start: int, folds: list) -> int:
-        """After :meth:`prefill` (``spans``, ``start`` and its result's ``folds``), with the prompt's KV still at
-        ``slots``: fold what it recomputed of the reused chunks and :meth:`harvest` the rest."""
-        return self.harvest(token_ids, slots, salt, adapter, reused=spans, computed_from=start, folds=folds)
 
     def harvest(self, token_ids: list[int], slots: torch.Tensor, salt: str | None, adapter: str | None,
                 reused: tuple[SegmentSpan, ...] = (), computed_from: int = 0, folds: list = ()) -> int:

@@ -184,8 +184,9 @@ class SegmentReuse:
                                     seq.cache_salt, seq.adapter_id)
             seq.num_auto_tokens, seq.auto_drift, seq.auto_fallback = res.num_reused_tokens, res.drift, res.fell_back
             seq.num_auto_repaired = res.num_repaired_tokens
-            self._defer(cache, seq.request_id, partial(self.auto.save, seq.prompt_token_ids, slots, seq.cache_salt,
-                                                       seq.adapter_id, spans, start, res.folds))
+            self._defer(cache, seq.request_id, partial(self.auto.harvest, seq.prompt_token_ids, slots, seq.cache_salt,
+                                                       seq.adapter_id, reused=spans, computed_from=start,
+                                                       folds=res.folds))
             seq.cache_limit = max(start, res.exact_until)
             s.num_new_tokens = seq.num_tokens - start
             return res.logits
