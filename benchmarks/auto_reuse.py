@@ -170,10 +170,10 @@ def edit_requests(n: int, rng: random.Random, tok) -> tuple[list[str], list[Req]
 
 
 class Harness:
-    def __init__(self, dtype: str, max_drift: float, **blend) -> None:
+    def __init__(self, dtype: str, max_drift: float, device: str = "cpu", **blend) -> None:
         """``blend``: the engine's ``blend_*`` options (its defaults where not given)."""
-        self.llm = LLM(dtype=dtype, num_kv_blocks=2048, segment_cache_memory=2 << 30, segment_reuse="auto",
-                       auto_reuse_max_drift=max_drift, **blend)
+        self.llm = LLM(dtype=dtype, device=device, num_kv_blocks=2048, segment_cache_memory=2 << 30,
+                       segment_reuse="auto", auto_reuse_max_drift=max_drift, **blend)
         self.engine, self.tok = self.llm.engine, self.llm.tokenizer
         self.opts = self.engine.segment_reuse.options()  # the engine's own, as auto uses them
 
@@ -318,6 +318,7 @@ def main() -> None:
                     help="RAG: earlier traffic shows each document this many times, each in other company")
     ap.add_argument("--max-drift", type=float, default=0.03, help="auto_reuse_max_drift (the guard's bound)")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda (the engine's device)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--rounds", type=int, default=3, help="no-reuse: alternated rounds")
     ap.add_argument("--no-reuse-only", action="store_true", help="only the no-reuse throughput")
@@ -331,7 +332,7 @@ def main() -> None:
                                ("blend_selection", args.selection), ("blend_check_layer", args.check_layer),
                                ("auto_reuse_contexts", args.contexts))
              if v is not None}
-    h = Harness(args.dtype, args.max_drift, **blend)
+    h = Harness(args.dtype, args.max_drift, args.device, **blend)
     print(f"blend options: {h.opts}", flush=True)
     if args.no_reuse_only:
         h.engine.segment_reuse.auto  # noqa: B018 - build the chunk rule before timing

@@ -252,9 +252,9 @@ def test_a_fold_moves_k_to_the_entrys_positions(llm):
         slots = e.kv.slots(table, n + 40)
         span = SegmentSpan(40, 40 + n)  # the same tokens 40 positions on, in another context
         g = torch.Generator().manual_seed(1)
-        other = torch.randn(stored.shape, generator=g).to(stored.dtype)
+        other = torch.randn(stored.shape, generator=g).to(stored)  # the store's dtype and device (the pool's)
         for layer in range(len(e.kv.k)):
-            e.kv.write(layer, slots[40:], other[layer, 0], other[layer, 1])
+            e.kv.write(layer, slots[40:].to(other.device), other[layer, 0], other[layer, 1])
         sr.blender.fold([(span, entry, torch.arange(40, 40 + n))], slots)
     finally:
         e.cache.free(fake)

@@ -12,6 +12,7 @@ import pytest
 
 from kvmosaic.audit import Auditor
 from kvmosaic.server.launch import ServerProcess
+from tests.conftest import TEST_DEVICE
 
 DOCS = [
     "Document A. The lighthouse on Gull Point was built in 1871 and painted red in 1902; its lamp was "
@@ -26,7 +27,8 @@ KEYS = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer k
 
 @pytest.fixture(scope="module", params=[None, 2], ids=["one-process", "replicas-2"])
 def server(request):
-    args = ["--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256", "--max-model-len", "1024",
+    args = ["--device", TEST_DEVICE, "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256",
+            "--max-model-len", "1024",
             "--segment-reuse", "auto", "--auto-reuse-max-drift", "0.2",
             "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "admin-key"]
     proc = ServerProcess(*args, *(["--replicas", str(request.param)] if request.param else []))

@@ -1,6 +1,7 @@
 """One line naming the machine a benchmark ran on: CPU model, the instruction sets that decide
 which kernels run (AMX and AVX512-BF16 make bfloat16 native, see ``engine.config.auto_dtype``;
-AVX2-only CPUs emulate it), cores, Python. Figures from two CPUs are not comparable."""
+AVX2-only CPUs emulate it), cores, Python, and the CUDA device where one is seen. Figures from two
+CPUs are not comparable."""
 
 from __future__ import annotations
 
@@ -26,5 +27,6 @@ def describe() -> str:
                                   ("AVX512-BF16", torch.cpu._is_avx512_bf16_supported()),
                                   ("AVX512", torch.cpu._is_avx512_supported()),
                                   ("AVX2", torch.cpu._is_avx2_supported())) if has]
+    gpu = f", CUDA: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (f"{cpu_model()} ({', '.join(isa[:2]) or 'no AVX2'}), {platform.machine()}, {os.cpu_count()} cores, "
-            f"Python {platform.python_version()}, torch {torch.__version__}")
+            f"Python {platform.python_version()}, torch {torch.__version__}{gpu}")

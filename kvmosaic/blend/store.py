@@ -140,13 +140,14 @@ class SegmentKVStore:
             return
         counts = [self.contexts.setdefault(key, torch.ones(self.tensors[key].shape[2])) for key, _ in live]
         weight = 1.0 / (torch.cat([c[off] for c, (_, off) in zip(counts, live)]) + 1).clamp(max=FOLD_CAP)
-        mean = torch.cat([self.tensors[key].index_select(2, off) for key, off in live], dim=2)
+        device = self.tensors[live[0][0]].device  # the pool's: the counts stay on the CPU
+        mean = torch.cat([self.tensors[key].index_select(2, off.to(device)) for key, off in live], dim=2)
         new = kv.index_select(2, torch.cat(take).to(kv.device)) if len(take) < len(parts) else kv
         # lerp sums in float32 for bfloat16 inputs and rounds once, as the stored KV was rounded
         mean.lerp_(new.to(mean), weight.to(mean)[None, None, :, None, None])
         at = 0
         for (key, off), c in zip(live, counts):
-            self.tensors[key].index_copy_(2, off, mean[:, :, at : at + off.numel()])
+            self.tensors[key].index_copy_(2, off.to(device), mean[:, :, at : at + off.numel()])
             c[off] += 1
             at += off.numel()
 
