@@ -16,3 +16,5 @@ KVMOSAIC_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider "${skip[@]}" \
   tests/test_families.py tests/test_cache_equivalence.py tests/test_radix_engine.py \
   tests/test_model_vs_transformers.py tests/test_blend_engine.py tests/test_tier_engine.py \
   tests/test_auto_reuse.py tests/test_engine_api.py tests/test_hybrid_engine.py "$@"
+# The server on the GPU (one process: --replicas needs Ray, which the check does not assume).
+KVMOSAIC_TEST_DEVICE=cuda $PY -m pytest -q -p no:cacheprovider tests/test_server_auto_reuse.py -k one-process
