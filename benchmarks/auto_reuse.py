@@ -288,7 +288,7 @@ def no_reuse(h: Harness, rounds: int, batch: int, rng: random.Random) -> tuple[f
 def table(results: dict[str, Stats], thr: tuple[float, float]) -> str:
     lines = ["| workload | requests | prompt tokens (mean) | prefix hit (mean) | auto reused (mean) | doc tokens reused "
              "| TTFT full / prefix / auto, s (p50) | auto vs prefix | KL first / mean | greedy agreement (tokens; "
-             "requests all equal) | accuracy full / auto | fallbacks | repairs (requests; tokens, mean) "
+             "requests all equal) | accuracy full / auto (answers auto lost, gained) | fallbacks | repairs (requests; tokens, mean) "
              "| drift est. (mean) | answered from reuse with KL mean > the bound |", "|" + "---|" * 15]
     for name, s in results.items():
         n = len(s.rows["kl_mean"])
@@ -297,12 +297,21 @@ def table(results: dict[str, Stats], thr: tuple[float, float]) -> str:
             f"{s.mean('doc_share'):.0%} | {s.median('ttft_full'):.2f} / {s.median('ttft_prefix'):.2f} / "
             f"{s.median('ttft_auto'):.2f} | {s.median('ttft_prefix') / s.median('ttft_auto'):.2f}x | "
             f"{s.mean('kl_first'):.4f} / {s.mean('kl_mean'):.4f} | {s.mean('agree_tokens'):.2f}; "
-            f"{s.mean('agree_all'):.0%} | {s.mean('acc_full'):.2f} / {s.mean('acc_auto'):.2f} | "
+            f"{s.mean('agree_all'):.0%} | {s.mean('acc_full'):.2f} / {s.mean('acc_auto'):.2f}{answers(s)} | "
             f"{sum(s.rows['fallback']):.0f} | {sum(r > 0 for r in s.rows['repaired'])}; {s.mean('repaired'):.1f} | "
             f"{s.mean('drift'):.4f} | {sum(s.rows['bad_answered']):.0f} |")
     off, on = thr
     lines.append(f"\nno-reuse throughput, auto off / on: {off:.0f} / {on:.0f} tok/s (ratio {on / off:.3f})")
     return "\n".join(lines)
+
+
+def answers(s: Stats) -> str:
+    """The paired count behind an accuracy difference: the answers full prefill got and auto missed, and the
+    reverse. Their sum sets the resolution: the difference's standard error is about sqrt(lost + gained) / n."""
+    pairs = [(f, a) for f, a in zip(s.rows.get("acc_full", []), s.rows.get("acc_auto", [])) if f == f]  # not NaN
+    if not pairs:
+        return ""
+    return f" ({sum(f > a for f, a in pairs)}, {sum(a > f for f, a in pairs)})"
 
 
 def main() -> None:

@@ -123,6 +123,20 @@ def test_auto_reuse_rag_workloads():
     assert max(len(d.split()) for d in ar.POOL) < 100 < 200 < min(len(d.split()) for d in ar.DOCS)
 
 
+def test_auto_reuse_counts_the_answers_behind_an_accuracy_difference():
+    """The table's paired count: answers full prefill got that auto missed, and the reverse; none where the
+    workload has no checkable answer (NaN)."""
+    from benchmarks import auto_reuse as ar
+
+    s = ar.Stats()
+    for full, auto in ((1.0, 0.0), (1.0, 0.0), (0.0, 1.0), (1.0, 1.0), (0.0, 0.0)):
+        s.add(acc_full=full, acc_auto=auto)
+    assert ar.answers(s) == " (2, 1)"
+    nan = ar.Stats()
+    nan.add(acc_full=float("nan"), acc_auto=float("nan"))
+    assert ar.answers(nan) == "" == ar.answers(ar.Stats())
+
+
 def test_kernel_ab_builds_from_a_revisions_sources(tmp_path):
     """``benchmarks/kernel_ab.py``'s build A or B from a git revision: every kernel source and header as that
     revision holds it, beside each other (the headers are included by name), the .c files returned."""
