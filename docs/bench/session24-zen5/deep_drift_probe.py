@@ -3,6 +3,7 @@ the blend recomputes them) rank requests by their measured KL better than the ch
 import random, statistics, sys
 import torch
 import benchmarks.auto_reuse as ar
+from benchmarks.auto_reuse import spearman  # Pearson over ranks: no ties here
 import kvmosaic.blend.blender as bl
 from kvmosaic.blend.select import deviation
 
@@ -41,11 +42,6 @@ def patched(model, kv, token_ids, slots, start, reused, logits_positions, pick, 
 
 bl.blend_forward = patched
 
-def spearman(x, y):
-    rx = {i: r for r, i in enumerate(sorted(range(len(x)), key=lambda i: x[i]))}
-    ry = {i: r for r, i in enumerate(sorted(range(len(y)), key=lambda i: y[i]))}
-    n = len(x); d = sum((rx[i] - ry[i]) ** 2 for i in range(n))
-    return 1 - 6 * d / (n * (n * n - 1))
 
 n_req = int(sys.argv[1]) if len(sys.argv) > 1 else 48
 h = ar.Harness("bfloat16", 0.03, blend_ratio=0.0625, auto_reuse_contexts=4, blend_check_layer=1)

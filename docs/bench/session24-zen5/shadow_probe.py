@@ -4,12 +4,8 @@ Ranks requests by their measured KL to full prefill within a workload, and how m
 request above the bound."""
 import dataclasses, random, statistics, sys
 import benchmarks.auto_reuse as ar
+from benchmarks.auto_reuse import spearman  # Pearson over ranks: no ties here
 
-def spearman(x, y):
-    rx = {i: r for r, i in enumerate(sorted(range(len(x)), key=lambda i: x[i]))}
-    ry = {i: r for r, i in enumerate(sorted(range(len(y)), key=lambda i: y[i]))}
-    n = len(x); d = sum((rx[i] - ry[i]) ** 2 for i in range(n))
-    return 1 - 6 * d / (n * (n * n - 1))
 
 n_req = int(sys.argv[1]) if len(sys.argv) > 1 else 48
 h = ar.Harness("bfloat16", 10.0, blend_ratio=0.0625, auto_reuse_contexts=4, blend_check_layer=1)  # no fallback
