@@ -11,22 +11,30 @@ not seen; there was no device time left to find out why. This prints, on any dev
 3. **A profile of the second blends** (``torch.profiler``): the operators by self time on the device (CUDA)
    or the host (CPU), so that host-side work, synchronisations and per-shape set-up show up by name.
 
-Run: ``python -m benchmarks.blend_profile --device cuda`` (defaults: the setting of BENCHMARKS.md's issue 24
-figures: bfloat16, documents seen in four contexts, check layer 1, ratio 0.0625).
+``--sdpa`` runs everything with one of torch's attention backends alone (``flash``, ``efficient``, ``cudnn``,
+``math``), to tell whether a per-shape cost is that backend's set-up.
+
+Run: ``python -m benchmarks.blend_profile --device cuda [--sdpa flash]`` (defaults: the setting of BENCHMARKS.md's
+issue 24 figures: bfloat16, documents seen in four contexts, check layer 1, ratio 0.0625).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 from kvmosaic.bench.machine import describe
 
 from .auto_reuse import Harness, earlier_traffic, rag_requests
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 
 
 def ttft_pairs(h: Harness, prompts: list[str], auto: bool) -> tuple[float, float]:
@@ -48,8 +56,14 @@ def main() -> None:
     ap.add_argument("--ratio", type=float, default=0.0625)
     ap.add_argument("--check-layer", type=int, default=1)
     ap.add_argument("--rows", type=int, default=25, help="operators listed")
+    ap.add_argument("--sdpa", choices=sorted(BACKENDS), default=None, help="one attention backend alone")
     args = ap.parse_args()
-    print(describe(), flush=True)
+    print(describe(), "; SDPA backend:", args.sdpa or "torch's choice", flush=True)
+    with sdpa_kernel([BACKENDS[args.sdpa]]) if args.sdpa else contextlib.nullcontext():
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     h = Harness(args.dtype, 0.03, args.device, blend_ratio=args.ratio, auto_reuse_contexts=args.contexts,
                 blend_check_layer=args.check_layer)
     rng = random.Random(0)
