@@ -141,13 +141,14 @@ class SegmentKVStore:
         counts = [self.contexts.setdefault(key, torch.ones(self.tensors[key].shape[2])) for key, _ in live]
         weight = 1.0 / (torch.cat([c[off] for c, (_, off) in zip(counts, live)]) + 1).clamp(max=FOLD_CAP)
         device = self.tensors[live[0][0]].device  # the pool's: the counts stay on the CPU
-        mean = torch.cat([self.tensors[key].index_select(2, off.to(device)) for key, off in live], dim=2)
+        on_device = [off.to(device) for _, off in live]
+        mean = torch.cat([self.tensors[key].index_select(2, off) for (key, _), off in zip(live, on_device)], dim=2)
         new = kv.index_select(2, torch.cat(take).to(kv.device)) if len(take) < len(parts) else kv
         # lerp sums in float32 for bfloat16 inputs and rounds once, as the stored KV was rounded
         mean.lerp_(new.to(mean), weight.to(mean)[None, None, :, None, None])
         at = 0
-        for (key, off), c in zip(live, counts):
-            self.tensors[key].index_copy_(2, off.to(device), mean[:, :, at : at + off.numel()])
+        for (key, off), dev_off, c in zip(live, on_device, counts):
+            self.tensors[key].index_copy_(2, dev_off, mean[:, :, at : at + off.numel()])
             c[off] += 1
             at += off.numel()
 
