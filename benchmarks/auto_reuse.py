@@ -177,6 +177,14 @@ class Harness:
         self.engine, self.tok = self.llm.engine, self.llm.tokenizer
         self.opts = self.engine.segment_reuse.options()  # the engine's own, as auto uses them
 
+    def audited(self, since: tuple[int, float] | None = None):
+        """The shadow audit's (count, KL sum) now; with ``since``, the KL of the one audit run after it
+        (None if none ran)."""
+        st = self.engine.segment_reuse.audit.stats
+        if since is None:
+            return st.audits, st.kl_sum
+        return st.kl_sum - since[1] if st.audits == since[0] + 1 else None
+
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
@@ -244,7 +252,11 @@ def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
         lp, verdict, res = h.forced(True, r.prompt, r.warm, full.token_ids[:FORCED])
         k = kl(ref_lp, lp)
         prefix = h.run(False, r.prompt, r.warm, max_tokens)
+        audited = h.audited()
         auto = h.run(True, r.prompt, r.warm, max_tokens)
+        audited = h.audited(since=audited)
+        if audited is not None:  # the shadow audit's measure of the same answer, beside the harness's own
+            st.add(audit_kl=audited, audit_gap=abs(audited - float(k[0])))
         a = auto.auto_reuse or {"tokens": 0, "drift": None, "fallback": False, "repaired": 0}
         doc_tokens = sum(len(h.ids(d)) for d in r.docs)
         st.add(ttft_full=full.metrics["ttft"], ttft_prefix=prefix.metrics["ttft"], ttft_auto=auto.metrics["ttft"],
@@ -314,6 +326,14 @@ def answers(s: Stats) -> str:
     return f" ({sum(f > a for f, a in pairs)}, {sum(a > f for f, a in pairs)})"
 
 
+def audit_line(name: str, st: Stats, bound: float) -> str:
+    """What the engine's shadow audit measured over a workload, against the harness's own KL first."""
+    kls = st.rows["audit_kl"]
+    return (f"shadow audit, {name}: {len(kls)} answers audited, {sum(k > bound for k in kls)} over the bound "
+            f"{bound} (KL first), mean KL {statistics.mean(kls):.4f}; against the harness's KL first: largest "
+            f"difference {max(st.rows['audit_gap']):.2g}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--requests", type=int, default=8, help="measured requests per workload")
@@ -326,6 +346,9 @@ def main() -> None:
     ap.add_argument("--seen", type=int, default=1,
                     help="RAG: earlier traffic shows each document this many times, each in other company")
     ap.add_argument("--max-drift", type=float, default=0.03, help="auto_reuse_max_drift (the guard's bound)")
+    ap.add_argument("--audit-rate", type=float, default=0.0,
+                    help="auto_reuse_audit_rate: answers from reused KV measured against a full prefill by the "
+                         "engine's shadow audit (after the answer; not in TTFT), compared with the harness's KL first")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the engine's device)")
     ap.add_argument("--seed", type=int, default=0)
@@ -339,7 +362,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     blend = {k: v for k, v in (("blend_ratio", args.ratio), ("blend_head_tokens", args.head),
                                ("blend_selection", args.selection), ("blend_check_layer", args.check_layer),
-                               ("auto_reuse_contexts", args.contexts))
+                               ("auto_reuse_contexts", args.contexts), ("auto_reuse_audit_rate", args.audit_rate or None))
              if v is not None}
     h = Harness(args.dtype, args.max_drift, args.device, **blend)
     print(f"blend options: {h.opts}", flush=True)
@@ -369,8 +392,12 @@ def main() -> None:
         for o in originals:  # each conversation was seen before its edit
             h.run(True, o, None, 1)
         results["chat-edit"] = measure(h, reqs, 32, "chat-edit")
+    h.engine.config.auto_reuse_audit_rate = 0.0  # the no-reuse rounds measure the engine, not the audit
     thr = no_reuse(h, args.rounds, 8, rng)
     print(table(results, thr))
+    for name, st in results.items():
+        if st.rows.get("audit_kl"):
+            print(audit_line(name, st, h.engine.config.auto_reuse_max_drift))
     # Pooled over workloads the estimate mostly ranks the workloads (a repair drifts less than a moved
     # document); within one it must rank the requests, which is what a per-request guard needs.
     groups = {"all workloads": list(results.values()), **{name: [s] for name, s in results.items()}}

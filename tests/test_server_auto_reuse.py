@@ -1,7 +1,8 @@
 """``--segment-reuse auto`` through the real server: documents in chat messages, reordered and
 unmarked, are found again for the tenant that sent them and for no other; usage and /metrics
-report it (issue 24). On one process and through ``--replicas 2`` alike: the prefix-aware router
-keeps a tenant's prompts with a common head on the replica that holds their chunks."""
+report it (issue 24), with the shadow audit's measured drift. On one process and through
+``--replicas 2`` alike: the prefix-aware router keeps a tenant's prompts with a common head on the
+replica that holds their chunks."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ KEYS = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer k
 def server(request):
     args = ["--device", TEST_DEVICE, "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256",
             "--max-model-len", "1024",
-            "--segment-reuse", "auto", "--auto-reuse-max-drift", "0.2",
+            "--segment-reuse", "auto", "--auto-reuse-max-drift", "0.2", "--auto-reuse-audit-rate", "1",
             "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "admin-key"]
     proc = ServerProcess(*args, *(["--replicas", str(request.param)] if request.param else []))
     with proc.start():
@@ -62,6 +63,12 @@ def test_reordered_documents_are_reused_for_their_tenant_only(server):
     repaired = again["auto_reuse_repaired_tokens"]  # recomputed beyond the ratio to meet the guard's bound
     assert repaired >= 0 and metric(server, "kvmosaic:auto_reuse_repaired_tokens_total") == repaired
     assert metric(server, "kvmosaic:auto_reuse_repairs_total") == (repaired > 0)
+    # every answer from reused KV was audited against a full prefill (--auto-reuse-audit-rate 1)
+    audits = metric(server, "kvmosaic:auto_reuse_audits_total")
+    assert audits == metric(server, "kvmosaic:auto_reuse_requests_total") >= 1
+    assert metric(server, "kvmosaic:auto_reuse_audit_kl_count") == audits
+    assert 0 < metric(server, "kvmosaic:auto_reuse_audit_kl_sum") < 0.2 * audits
+    assert metric(server, "kvmosaic:auto_reuse_audits_failed_total") == 0
     assert all(h["kv"]["num_used_blocks"] == 0 for h in server.pool_healths(Authorization="Bearer admin-key"))
 
 

@@ -21,7 +21,8 @@ reference on its blocks (``KVCacheManager.hold``); the chunks are stored and fol
 :meth:`SegmentReuse.finish_pending`, which the engine runs at the start of its next step (or when
 its caller stops stepping), after the step's outputs went out, and which then drops the references.
 Until then the prompt's KV stays where it was written even if the request has finished; a failed
-store costs the store those chunks, never the request.
+store costs the store those chunks, never the request. The shadow audit of a sampled answer from
+reused KV (``shadow.py``, ``auto_reuse_audit_rate``) is deferred the same way.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from ..model.llama import LlamaForCausalLM
 from ..tiers import TierStack
 from .auto import AutoReuse, auto_floor, rule_for
 from .blender import Blender, BlendOptions
+from .shadow import ShadowAudit
 from .store import SegmentKVStore
 
 logger = logging.getLogger("kvmosaic.blend")
@@ -61,6 +63,7 @@ class SegmentReuse:
         self.blender = Blender(model, kv, self.store)
         self._tokenizer, self._auto = tokenizer, None
         self._pending: list[tuple[Callable[[], object], list]] = []  # (store work, the blocks it holds)
+        self.audit = ShadowAudit()
 
     @property
     def auto(self) -> AutoReuse | None:
@@ -174,6 +177,17 @@ class SegmentReuse:
             finally:
                 cache.release(held)
 
+    def _audit_one(self, token_ids: list[int], slots: torch.Tensor, start: int, answered: torch.Tensor) -> None:
+        """One shadow audit (``shadow.py``), once the request's first token is out; its failure is
+        counted and logged, and costs nothing else."""
+        c = self.config
+        bound = c.auto_reuse_audit_bound if c.auto_reuse_audit_bound is not None else c.auto_reuse_max_drift
+        try:
+            self.audit.measure(self.blender.model, self.kv, token_ids, slots, start, answered, bound)
+        except Exception:  # noqa: BLE001 - an audit observes; it must not fail a step
+            self.audit.stats.failed += 1
+            logger.exception("auditing an answer from reused KV failed")
+
     def _blend_one(self, s, cache, opts: BlendOptions) -> torch.Tensor:
         seq = s.seq
         slots = self.kv.slots(cache.block_table(seq.request_id), seq.num_tokens)
@@ -187,6 +201,9 @@ class SegmentReuse:
             self._defer(cache, seq.request_id, partial(self.auto.harvest, seq.prompt_token_ids, slots, seq.cache_salt,
                                                        seq.adapter_id, reused=spans, computed_from=start,
                                                        folds=res.folds))
+            if res.num_reused_tokens and self.audit.sampled(self.config.auto_reuse_audit_rate):
+                self._defer(cache, seq.request_id, partial(self._audit_one, list(seq.all_token_ids), slots, start,
+                                                           res.logits[-1].clone()))
             seq.cache_limit = max(start, res.exact_until)
             s.num_new_tokens = seq.num_tokens - start
             return res.logits

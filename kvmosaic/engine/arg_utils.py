@@ -191,6 +191,12 @@ class EngineArgs(CliArgs):
     auto_reuse_contexts: int = option(1, "auto: contexts a chunk is computed in, in full, before its KV is "
                                          "reused; its stored KV is their mean (and that of every later context "
                                          "that recomputes its tokens), which drifts less when moved", type=int)
+    auto_reuse_audit_rate: float = option(0.0, "auto: share of the requests answered from reused KV whose first "
+                                               "token's distribution is measured, once it is out, against a full "
+                                               "prefill of the prompt (KL; metrics auto_reuse_audit*; "
+                                               "kvmosaic/blend/shadow.py): each costs a prefill", type=float)
+    auto_reuse_audit_bound: float | None = option(None, "auto: the KL above which an audited answer counts as over "
+                                                        "the bound (default: --auto-reuse-max-drift)", type=float)
     blend_ratio: float = option(0.15, "blend: fraction of reused segment tokens recomputed")
     blend_threshold: float | None = option(None, "blend: recompute tokens deviating more (overrides the ratio)",
                                            type=float)

@@ -40,6 +40,13 @@ class EngineStats:
     auto_reuse_fallbacks: int = 0
     auto_reuse_repairs: int = 0
     auto_reuse_repaired_tokens: int = 0
+    # The shadow audit (blend/shadow.py): answers from reused KV measured against a full prefill, those
+    # whose KL was over the bound, audits that failed, and the KL's histogram (``AuditStats`` as a dict:
+    # ``buckets`` upper bounds, ``counts`` per bucket with +Inf last, ``sum``); {} before any audit.
+    auto_reuse_audits: int = 0
+    auto_reuse_audits_over_bound: int = 0
+    auto_reuse_audits_failed: int = 0
+    auto_reuse_audit_kl: dict = field(default_factory=dict)
     num_waiting_for_kv: int = 0  # requests parked while a storage tier loads their KV (WAITING_FOR_KV)
     # Anticipation (engine/anticipation.py): idle periods of one-request-at-a-time tenants the
     # next step was held for, how many of those tenants came back inside the hold, seconds held.
@@ -93,6 +100,7 @@ def engine_stats(engine) -> EngineStats:
         lens=engine.lens.snapshot(engine.scheduler.running) if engine.lens is not None else {},
         kv_residency=engine.pool.residency.snapshot() if engine.pool.residency is not None else {},
         **auto_reuse_stats(engine.segment_reuse.auto_stats),
+        **audit_stats(engine.segment_reuse.audit.stats),
         **slot_usage(engine),
         anticipation_holds=engine.scheduler.anticipation.holds,
         anticipation_hits=engine.scheduler.anticipation.hits,
@@ -107,6 +115,15 @@ def auto_reuse_stats(st) -> dict[str, int]:
     return {"auto_reuse_requests": st.requests, "auto_reuse_tokens": st.tokens,
             "auto_reuse_fallbacks": st.fallbacks, "auto_reuse_repairs": st.repairs,
             "auto_reuse_repaired_tokens": st.repaired_tokens}
+
+
+def audit_stats(st) -> dict:
+    """The shadow audit's counters and KL histogram (blend/shadow.py); {} before any audit."""
+    if not st.audits and not st.failed:
+        return {}
+    return {"auto_reuse_audits": st.audits, "auto_reuse_audits_over_bound": st.over_bound,
+            "auto_reuse_audits_failed": st.failed,
+            "auto_reuse_audit_kl": {"buckets": list(st.buckets), "counts": list(st.kl_counts), "sum": st.kl_sum}}
 
 
 def slot_usage(engine) -> dict[str, int]:

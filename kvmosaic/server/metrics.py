@@ -25,8 +25,11 @@ state) and the histogram ``kvmosaic:kv_tier_load_latency_seconds``;
 and our own: ``kvmosaic:kv_cache_num_blocks``, ``kvmosaic:kv_cache_free_blocks`` (free or
 evictable), ``kvmosaic:kv_cache_cached_blocks`` (indexed), ``kvmosaic:kv_cache_evictions_total`` (both
 backends), ``kvmosaic:kv_events_dropped_total`` and ``kvmosaic:fair_share_anticipation_holds_total`` /
-``_hits_total`` / ``_held_seconds_total`` (engine/anticipation.py). Counters and gauges are read at scrape
-time from a snapshot the engine thread takes for that scrape, so they cannot drift from what
+``_hits_total`` / ``_held_seconds_total`` (engine/anticipation.py); automatic reuse's
+``kvmosaic:auto_reuse_requests_total`` / ``_tokens_total`` / ``_fallbacks_total`` / ``_repairs_total`` /
+``_repaired_tokens_total`` and its shadow audit's ``kvmosaic:auto_reuse_audits_total`` /
+``_audits_over_bound_total`` / ``_audits_failed_total`` with the histogram ``kvmosaic:auto_reuse_audit_kl``.
+Counters and gauges are read at scrape time from a snapshot the engine thread takes for that scrape, so they cannot drift from what
 the engine counts.
 """
 
@@ -90,6 +93,7 @@ class EngineCollector(Collector):
                       getattr(st, "auto_reuse_repairs", 0))
         yield counter("auto_reuse_repaired_tokens", "Reused tokens those repairs recomputed.",
                       getattr(st, "auto_reuse_repaired_tokens", 0))
+        yield from audit_metrics(st, self.model_name)
         yield counter("fair_share_anticipation_holds", "Idle periods of one-request-at-a-time tenants the next "
                       "step was held for (--fair-share-anticipation-ms).", getattr(st, "anticipation_holds", 0))
         yield counter("fair_share_anticipation_hits", "Of those, the tenant's next request came inside the hold.",
@@ -142,6 +146,34 @@ def tier_metrics(tiers_stats: dict, model_name: str) -> Iterator[Metric]:
             cum += n
             buckets.append((bound, cum))
         h.add_metric([model_name, name, s["medium"]], buckets, s["load_latency_sum"])
+    yield h
+
+
+def audit_metrics(st: EngineStats, model_name: str) -> Iterator[Metric]:
+    """The shadow audit of automatic reuse (``--auto-reuse-audit-rate``, blend/shadow.py): its counters
+    and the histogram of the KL it measured; the histogram only once an audit ran."""
+    for name, doc, value in (
+            ("auto_reuse_audits", "Answers from automatically reused KV measured against a full prefill "
+                                  "(--auto-reuse-audit-rate).", st.auto_reuse_audits),
+            ("auto_reuse_audits_over_bound", "Of those, answers whose measured KL to the full prefill exceeded "
+                                             "the bound (--auto-reuse-audit-bound, else --auto-reuse-max-drift).",
+             st.auto_reuse_audits_over_bound),
+            ("auto_reuse_audits_failed", "Audits that failed (logged; no request affected).",
+             st.auto_reuse_audits_failed)):
+        m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
+        m.add_metric([model_name], value)
+        yield m
+    kl = st.auto_reuse_audit_kl
+    if not kl:
+        return
+    h = HistogramMetricFamily(PREFIX + "auto_reuse_audit_kl", "KL from a full prefill's next-token distribution "
+                              "to the one an audited answer's first token was drawn from (nats).",
+                              labels=["model_name"])
+    cum, buckets = 0, []
+    for bound, n in zip([*map(str, kl["buckets"]), "+Inf"], kl["counts"]):
+        cum += n
+        buckets.append((bound, cum))
+    h.add_metric([model_name], buckets, kl["sum"])
     yield h
 
 

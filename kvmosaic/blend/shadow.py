@@ -1,0 +1,100 @@
+"""The shadow audit of automatic reuse: on a sample of the requests answered from reused KV, the
+drift the guard estimates is measured (issue 24; docs/ARCHITECTURE.md, "Automatic segment reuse").
+
+The guard (``guard.py``) bounds an *estimate*, which ranks requests within a workload poorly
+(BENCHMARKS.md, issue 24): it cannot promise that a request's answer stayed close to what a full
+prefill gives. The audit measures that instead, on a share of the requests (``auto_reuse_audit_rate``):
+once the request's first token is out (deferred with the chunk stores, ``engine_hook.py``), the prompt
+is computed again in full in a scratch KV buffer of its own (the prefix hit copied from the pool,
+exact; every later token recomputed, attending only to exact KV) and the distribution its first token
+was drawn from is compared with the full prefill's: ``KL(full || reused)`` at that position, the
+benchmark's ``KL first``. The counters give operators the guard's real record live: how many audited
+answers drifted past the bound, and the distribution of the drift.
+
+Invariants: the audit reads the pool and writes only its scratch buffer (the request's KV, the
+prefix cache and the segment store are unchanged); it never changes an answer; a request that the
+guard sent back to a full prefill is not audited (nothing reused was kept).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+import torch
+
+from ..kv.paged import PagedKVCache
+from ..model.llama import LlamaForCausalLM
+from .forward import blend_forward
+
+# Upper bounds of the drift histogram's buckets (KL in nats; +Inf is implied): about the bound's
+# decade and two on either side, where the guard's estimate and the measured drift are compared.
+KL_BUCKETS = (0.001, 0.003, 0.01, 0.02, 0.03, 0.05, 0.1, 0.3, 1.0)
+
+
+@dataclass
+class AuditStats:
+    audits: int = 0  # answers from reused KV measured against a full prefill
+    over_bound: int = 0  # of those, measured drift above the bound
+    kl_sum: float = 0.0
+    kl_counts: list[int] = field(default_factory=lambda: [0] * (len(KL_BUCKETS) + 1))  # per bucket, +Inf last
+    failed: int = 0  # audits that raised (logged; the request was not affected)
+    buckets: tuple[float, ...] = KL_BUCKETS
+
+    def add(self, kl: float, bound: float) -> None:
+        self.audits += 1
+        self.over_bound += kl > bound
+        self.kl_sum += kl
+        self.kl_counts[next((i for i, le in enumerate(self.buckets) if kl <= le), len(self.buckets))] += 1
+
+
+def kl_to_full(full_logits: torch.Tensor, reused_logits: torch.Tensor) -> float:
+    """``KL(full || reused)`` of the next-token distributions two logits rows ``[V]`` give, in nats
+    (computed in float64: the drift of interest is far above float32's rounding of a sum over V)."""
+    full = torch.log_softmax(full_logits.double(), -1)
+    reused = torch.log_softmax(reused_logits.double(), -1)
+    return max(0.0, float((full.exp() * (full - reused)).sum()))
+
+
+@torch.inference_mode()
+def full_prefill_logits(model: LlamaForCausalLM, kv: PagedKVCache, token_ids: list[int], slots: torch.Tensor,
+                        start: int) -> torch.Tensor:
+    """The last prompt position's logits ``[V]`` as a full prefill gives them: positions below ``start``
+    (exact KV at ``slots`` in ``kv``, a prefix hit) copied into a scratch buffer, every later one
+    computed there. ``kv`` is only read."""
+    n = len(token_ids)
+    bs = kv.block_size
+    scratch = PagedKVCache(kv.config, -(-n // bs), bs, kv.dtype, kv.device)
+    if start:
+        src = slots[:start].to(kv.device)
+        for layer in range(len(kv.k)):
+            scratch.k[layer][:start] = kv.k[layer].index_select(0, src)
+            scratch.v[layer][:start] = kv.v[layer].index_select(0, src)
+    out = blend_forward(model, scratch, torch.tensor(token_ids, dtype=torch.long), torch.arange(n), start,
+                        torch.zeros(n, dtype=torch.bool), torch.tensor([n - 1]), None)
+    return out.logits[-1]
+
+
+def check_rate(rate: float) -> None:
+    if not 0.0 <= rate <= 1.0:  # NaN fails too
+        raise ValueError(f"auto_reuse_audit_rate must be in [0, 1], got {rate}")
+
+
+class ShadowAudit:
+    """Which requests to audit (a seeded draw) and what the audits found."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self._draw = random.Random(seed)
+        self.stats = AuditStats()
+
+    def sampled(self, rate: float) -> bool:
+        """Whether to audit the next answer, at ``rate`` (0: never, 1: always; no draw at either)."""
+        return rate >= 1 or (rate > 0 and self._draw.random() < rate)
+
+    def measure(self, model: LlamaForCausalLM, kv: PagedKVCache, token_ids: list[int], slots: torch.Tensor,
+                start: int, answered: torch.Tensor, bound: float) -> float:
+        """Audit one answer: ``answered``, the logits row ``[V]`` its first token was drawn from;
+        ``slots``, the prompt's (held), exact below ``start``. Returns the measured KL."""
+        kl = kl_to_full(full_prefill_logits(model, kv, token_ids, slots, start), answered)
+        self.stats.add(kl, bound)
+        return kl

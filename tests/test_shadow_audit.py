@@ -1,0 +1,136 @@
+"""The shadow audit of automatic reuse (``auto_reuse_audit_rate``, kvmosaic/blend/shadow.py): an
+answer from reused KV measured against a full prefill, off the first token's path (float32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvmosaic.blend import shadow
+from kvmosaic.blend.shadow import AuditStats, ShadowAudit, kl_to_full
+from kvmosaic.engine.llm import LLM
+from tests.test_auto_reuse import DOCS, GREEDY, text
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(dtype="float32", num_kv_blocks=256, segment_cache_memory=128 << 20, segment_reuse="auto",
+               auto_reuse_max_drift=0.1, auto_reuse_audit_rate=1.0)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(dtype="float32", num_kv_blocks=256)
+
+
+def first_logits(llm, prompt):
+    """The logits row a request's first token is drawn from, as the engine computed it (its first call of
+    the LM head: the prompt's), and the request's output."""
+    model, rows = llm.engine.model, []
+    inner = model.compute_logits
+
+    def keep(hidden):
+        out = inner(hidden)
+        rows.append(out[-1].clone())
+        return out
+
+    model.compute_logits = keep
+    try:
+        out = llm.generate(prompt, GREEDY)[0]
+    finally:
+        del model.compute_logits
+    return rows[0], out
+
+
+def reused(llm, rate=1.0, bound=None):
+    """Documents in order, then reversed (the second found in the store), from an empty store and cache."""
+    e = llm.engine
+    e.config.auto_reuse_audit_rate, e.config.auto_reuse_audit_bound = rate, bound
+    e.segment_reuse.store.clear()
+    assert e.reset_prefix_cache()
+    llm.generate(text(DOCS), GREEDY)
+    return first_logits(llm, text(DOCS[::-1]))
+
+
+def test_an_audit_measures_the_answers_kl_to_an_ordinary_prefill(llm, plain):
+    """The KL the audit counts is the one between the distribution the reused answer was drawn from and the
+    one another engine's ordinary prefill of the same prompt gives (no blend code on that side)."""
+    before = llm.engine.get_stats()
+    answered, out = reused(llm)
+    assert out.auto_reuse["tokens"] > 0 and not out.auto_reuse["fallback"]
+    assert plain.engine.reset_prefix_cache()
+    full, _ = first_logits(plain, text(DOCS[::-1]))
+    want = float(torch.nn.functional.kl_div(answered.log_softmax(-1), full.log_softmax(-1), log_target=True,
+                                            reduction="sum"))
+    st = llm.engine.get_stats()
+    assert st.auto_reuse_audits == before.auto_reuse_audits + 1
+    measured = st.auto_reuse_audit_kl["sum"] - (before.auto_reuse_audit_kl or {"sum": 0.0})["sum"]
+    assert want > 1e-4  # the documents moved: the answer drifted a little
+    assert measured == pytest.approx(want, rel=1e-3, abs=1e-6)
+    assert sum(st.auto_reuse_audit_kl["counts"]) == st.auto_reuse_audits
+    assert st.kv_cache_usage == 0 and not llm.engine.segment_reuse.has_pending
+
+
+def test_an_audit_never_changes_an_answer_nor_the_caches(llm):
+    logits_off, off = reused(llm, rate=0.0)
+    entries = len(llm.engine.segment_reuse.store.index)
+    blocks = llm.engine.get_stats().num_cached_blocks
+    audits = llm.engine.get_stats().auto_reuse_audits
+    logits_on, on = reused(llm, rate=1.0)
+    assert llm.engine.get_stats().auto_reuse_audits == audits + 1
+    assert on.token_ids == off.token_ids and on.logprobs == off.logprobs and on.auto_reuse == off.auto_reuse
+    assert torch.equal(logits_on, logits_off)
+    assert len(llm.engine.segment_reuse.store.index) == entries
+    assert llm.engine.get_stats().num_cached_blocks == blocks
+
+
+def test_the_bound_counts_audited_answers_over_it(llm):
+    st = llm.engine.get_stats()
+    reused(llm, bound=0.0)  # any drift is over
+    mid = llm.engine.get_stats()
+    assert mid.auto_reuse_audits_over_bound == st.auto_reuse_audits_over_bound + 1
+    reused(llm, bound=10.0)
+    after = llm.engine.get_stats()
+    assert after.auto_reuse_audits == mid.auto_reuse_audits + 1
+    assert after.auto_reuse_audits_over_bound == mid.auto_reuse_audits_over_bound
+
+
+def test_a_failed_audit_is_counted_and_costs_nothing_else(llm, monkeypatch, caplog):
+    def broken(*args, **kwargs):
+        raise RuntimeError("no memory for the scratch buffer")
+
+    monkeypatch.setattr(shadow, "full_prefill_logits", broken)
+    before = llm.engine.get_stats()
+    _, out = reused(llm)
+    st = llm.engine.get_stats()
+    assert out.finish_reason == "length" and out.auto_reuse["tokens"] > 0
+    assert st.auto_reuse_audits_failed == before.auto_reuse_audits_failed + 1
+    assert st.auto_reuse_audits == before.auto_reuse_audits
+    assert "auditing an answer from reused KV failed" in caplog.text
+    assert st.kv_cache_usage == 0
+
+
+def test_the_rate_draws_a_share_of_the_answers():
+    audit = ShadowAudit(seed=3)
+    assert not any(audit.sampled(0.0) for _ in range(100)) and all(audit.sampled(1.0) for _ in range(100))
+    assert 400 < sum(audit.sampled(0.5) for _ in range(1000)) < 600
+
+
+def test_the_options_are_checked():
+    for bad in ({"auto_reuse_audit_rate": 1.5}, {"auto_reuse_audit_rate": float("nan")},
+                {"auto_reuse_audit_bound": -0.1}):
+        with pytest.raises(ValueError, match="auto_reuse_audit"):
+            LLM(dtype="float32", num_kv_blocks=16, segment_reuse="auto", **bad)
+
+
+def test_kl_and_the_histogram():
+    a = torch.tensor([2.0, 0.5, -1.0])
+    assert kl_to_full(a, a) == 0.0
+    b = torch.tensor([0.5, 2.0, -1.0])
+    p, q = a.softmax(-1).double(), b.softmax(-1).double()
+    assert kl_to_full(a, b) == pytest.approx(float((p * (p / q).log()).sum()))
+    st = AuditStats()
+    for kl in (0.0005, 0.025, 0.04, 5.0):
+        st.add(kl, bound=0.03)
+    assert st.audits == 4 and st.over_bound == 2 and st.kl_sum == pytest.approx(5.0655)
+    assert st.kl_counts[0] == 1 and st.kl_counts[st.buckets.index(0.03)] == 1 and st.kl_counts[-1] == 1
