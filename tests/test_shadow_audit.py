@@ -1,12 +1,13 @@
 """The shadow audit of automatic reuse (``auto_reuse_audit_rate``, kvmosaic/blend/shadow.py): an
-answer from reused KV measured against a full prefill, off the first token's path (float32)."""
+answer from reused KV measured against a full prefill, off the first token's path; and the breaker
+that turns reuse off for a namespace whose audits drift (kvmosaic/blend/breaker.py). float32."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvmosaic.blend import shadow
+from kvmosaic.blend import breaker, shadow
 from kvmosaic.blend.shadow import AuditStats, ShadowAudit, kl_to_full
 from kvmosaic.engine.llm import LLM
 from tests.test_auto_reuse import DOCS, GREEDY, text
@@ -118,7 +119,7 @@ def test_the_rate_draws_a_share_of_the_answers():
 
 def test_the_options_are_checked():
     for bad in ({"auto_reuse_audit_rate": 1.5}, {"auto_reuse_audit_rate": float("nan")},
-                {"auto_reuse_audit_bound": -0.1}):
+                {"auto_reuse_audit_bound": -0.1}, {"auto_reuse_audit_trip": 1.0}):
         with pytest.raises(ValueError, match="auto_reuse_audit"):
             LLM(dtype="float32", num_kv_blocks=16, segment_reuse="auto", **bad)
 
@@ -134,3 +135,50 @@ def test_kl_and_the_histogram():
         st.add(kl, bound=0.03)
     assert st.audits == 4 and st.over_bound == 2 and st.kl_sum == pytest.approx(5.0655)
     assert st.kl_counts[0] == 1 and st.kl_counts[st.buckets.index(0.03)] == 1 and st.kl_counts[-1] == 1
+
+
+def test_a_namespace_whose_audits_drift_gets_ordinary_prefills_until_its_hold_ends(llm, plain, monkeypatch):
+    """The breaker (``auto_reuse_audit_trip``): two audited answers over the bound (``TRIP_MIN`` lowered to 2)
+    turn automatic reuse off for that tenant alone; its next prompt is an exact prefill; after the hold it
+    reuses again."""
+    monkeypatch.setattr(breaker, "TRIP_MIN", 2)
+    e, sr = llm.engine, llm.engine.segment_reuse
+    now = [0.0]
+    monkeypatch.setattr(sr, "breaker", breaker.DriftBreaker(clock=lambda: now[0]))
+    e.config.auto_reuse_audit_rate, e.config.auto_reuse_audit_bound, e.config.auto_reuse_audit_trip = 1.0, 0.0, 0.5
+    try:
+        sr.store.clear()
+        for salt in ("a", "b"):
+            llm.generate({"prompt": text(DOCS), "cache_salt": salt}, GREEDY)
+        reorders = (DOCS[::-1], DOCS[1:] + DOCS[:1], DOCS[2:] + DOCS[:2])
+
+        def ask(salt, docs):
+            assert e.reset_prefix_cache()
+            return llm.generate({"prompt": text(docs), "cache_salt": salt}, GREEDY)[0]
+
+        assert all(ask("a", d).auto_reuse["tokens"] > 0 for d in reorders[:2])  # audited, both over: tripped
+        st = e.get_stats()
+        assert st.auto_reuse_audit_trips == 1 and st.auto_reuse_namespaces_off == 1
+        off = ask("a", reorders[2])
+        assert off.auto_reuse["tokens"] == 0
+        assert plain.engine.reset_prefix_cache()
+        ref = plain.generate({"prompt": text(reorders[2]), "cache_salt": "a"}, GREEDY)[0]
+        assert off.token_ids == ref.token_ids and off.logprobs == ref.logprobs  # exact
+        assert ask("b", reorders[2]).auto_reuse["tokens"] > 0  # another tenant is judged on its own audits
+        now[0] += breaker.TRIP_HOLD_S
+        assert e.get_stats().auto_reuse_namespaces_off == 0
+        assert ask("a", reorders[2]).auto_reuse["tokens"] > 0
+    finally:
+        e.config.auto_reuse_audit_trip = None
+
+
+def test_the_breaker_judges_a_window_of_recent_audits():
+    b = breaker.DriftBreaker(clock=lambda: 0.0)
+    assert not any(b.record("n", True, None) for _ in range(50))  # no trip share: never
+    for _ in range(breaker.TRIP_MIN - 1):
+        assert not b.record("n", True, 0.5)
+    assert b.record("n", True, 0.5) and b.off("n") and not b.off("m") and b.trips == 1
+    fresh = breaker.DriftBreaker(clock=lambda: 0.0)
+    verdicts = [fresh.record("n", i % 3 == 0, 0.4) for i in range(breaker.TRIP_WINDOW * 3)]
+    assert not any(verdicts)  # a third over: never above 0.4 of a full window, nor of 10 or more
+    assert [fresh.record("n", True, 0.4) for _ in range(4)] == [False, False, False, True]  # then 9 of 20 over

@@ -39,6 +39,7 @@ from ..model.llama import LlamaForCausalLM
 from ..tiers import TierStack
 from .auto import AutoReuse, auto_floor, rule_for
 from .blender import Blender, BlendOptions
+from .breaker import TRIP_HOLD_S, DriftBreaker
 from .shadow import ShadowAudit
 from .store import SegmentKVStore
 
@@ -63,7 +64,7 @@ class SegmentReuse:
         self.blender = Blender(model, kv, self.store)
         self._tokenizer, self._auto = tokenizer, None
         self._pending: list[tuple[Callable[[], object], list]] = []  # (store work, the blocks it holds)
-        self.audit = ShadowAudit()
+        self.audit, self.breaker = ShadowAudit(), DriftBreaker()
 
     @property
     def auto(self) -> AutoReuse | None:
@@ -99,6 +100,8 @@ class SegmentReuse:
         if not self.auto_on or seq.auto_checked or seq.output_token_ids or not seq.reads_cache:
             return False
         seq.auto_checked = True
+        if self.breaker.off((seq.cache_salt, seq.adapter_id)):
+            return False  # its audited answers drifted: ordinary prefills for a while (breaker.py)
         start = seq.num_computed_tokens
         spans = self.auto.plan(seq.all_token_ids, start, seq.cache_salt, seq.adapter_id)
         if spans is None or cache.allocate_slots(seq, seq.num_tokens) is None:
@@ -177,16 +180,21 @@ class SegmentReuse:
             finally:
                 cache.release(held)
 
-    def _audit_one(self, token_ids: list[int], slots: torch.Tensor, start: int, answered: torch.Tensor) -> None:
-        """One shadow audit (``shadow.py``), once the request's first token is out; its failure is
-        counted and logged, and costs nothing else."""
+    def _audit_one(self, token_ids: list[int], slots: torch.Tensor, start: int, answered: torch.Tensor,
+                   namespace: tuple) -> None:
+        """One shadow audit (``shadow.py``), once the request's first token is out, and its verdict to the
+        breaker (``breaker.py``); a failed audit is counted and logged, and costs nothing else."""
         c = self.config
         bound = c.auto_reuse_audit_bound if c.auto_reuse_audit_bound is not None else c.auto_reuse_max_drift
         try:
-            self.audit.measure(self.blender.model, self.kv, token_ids, slots, start, answered, bound)
+            kl = self.audit.measure(self.blender.model, self.kv, token_ids, slots, start, answered, bound)
         except Exception:  # noqa: BLE001 - an audit observes; it must not fail a step
             self.audit.stats.failed += 1
             logger.exception("auditing an answer from reused KV failed")
+            return
+        if self.breaker.record(namespace, kl > bound, c.auto_reuse_audit_trip):
+            logger.warning("automatic reuse off for a namespace for %.0f s: more than %.0f%% of its last audited "
+                           "answers drifted over the bound %g", TRIP_HOLD_S, 100 * c.auto_reuse_audit_trip, bound)
 
     def _blend_one(self, s, cache, opts: BlendOptions) -> torch.Tensor:
         seq = s.seq
@@ -203,7 +211,7 @@ class SegmentReuse:
                                                        folds=res.folds))
             if res.num_reused_tokens and self.audit.sampled(self.config.auto_reuse_audit_rate):
                 self._defer(cache, seq.request_id, partial(self._audit_one, list(seq.all_token_ids), slots, start,
-                                                           res.logits[-1].clone()))
+                                                           res.logits[-1].clone(), (seq.cache_salt, seq.adapter_id)))
             seq.cache_limit = max(start, res.exact_until)
             s.num_new_tokens = seq.num_tokens - start
             return res.logits

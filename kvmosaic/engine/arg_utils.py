@@ -197,6 +197,10 @@ class EngineArgs(CliArgs):
                                                "kvmosaic/blend/shadow.py): each costs a prefill", type=float)
     auto_reuse_audit_bound: float | None = option(None, "auto: the KL above which an audited answer counts as over "
                                                         "the bound (default: --auto-reuse-max-drift)", type=float)
+    auto_reuse_audit_trip: float | None = option(None, "auto: turn automatic reuse off for 10 minutes for a namespace "
+                                                       "(cache salt) once more than this share of its last 20 audited "
+                                                       "answers (at least 10) were over the bound "
+                                                       "(kvmosaic/blend/breaker.py); default: never", type=float)
     blend_ratio: float = option(0.15, "blend: fraction of reused segment tokens recomputed")
     blend_threshold: float | None = option(None, "blend: recompute tokens deviating more (overrides the ratio)",
                                            type=float)

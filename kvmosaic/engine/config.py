@@ -72,6 +72,8 @@ class EngineConfig(EngineArgs):
         check_rate(self.auto_reuse_audit_rate)
         if self.auto_reuse_audit_bound is not None and not self.auto_reuse_audit_bound >= 0:
             raise ValueError(f"auto_reuse_audit_bound must be non-negative, got {self.auto_reuse_audit_bound}")
+        if self.auto_reuse_audit_trip is not None and not 0.0 <= self.auto_reuse_audit_trip < 1.0:
+            raise ValueError(f"auto_reuse_audit_trip must be in [0, 1), got {self.auto_reuse_audit_trip}")
         if self.kv_tiers:
             from ..tiers.spec import parse_tier_spec
 

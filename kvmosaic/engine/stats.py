@@ -47,6 +47,9 @@ class EngineStats:
     auto_reuse_audits_over_bound: int = 0
     auto_reuse_audits_failed: int = 0
     auto_reuse_audit_kl: dict = field(default_factory=dict)
+    # The breaker (blend/breaker.py): namespaces it turned automatic reuse off for, ever and now.
+    auto_reuse_audit_trips: int = 0
+    auto_reuse_namespaces_off: int = 0
     num_waiting_for_kv: int = 0  # requests parked while a storage tier loads their KV (WAITING_FOR_KV)
     # Anticipation (engine/anticipation.py): idle periods of one-request-at-a-time tenants the
     # next step was held for, how many of those tenants came back inside the hold, seconds held.
@@ -101,6 +104,8 @@ def engine_stats(engine) -> EngineStats:
         kv_residency=engine.pool.residency.snapshot() if engine.pool.residency is not None else {},
         **auto_reuse_stats(engine.segment_reuse.auto_stats),
         **audit_stats(engine.segment_reuse.audit.stats),
+        auto_reuse_audit_trips=engine.segment_reuse.breaker.trips,
+        auto_reuse_namespaces_off=engine.segment_reuse.breaker.num_off,
         **slot_usage(engine),
         anticipation_holds=engine.scheduler.anticipation.holds,
         anticipation_hits=engine.scheduler.anticipation.hits,
