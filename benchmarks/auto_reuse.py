@@ -177,13 +177,13 @@ class Harness:
         self.engine, self.tok = self.llm.engine, self.llm.tokenizer
         self.opts = self.engine.segment_reuse.options()  # the engine's own, as auto uses them
 
-    def audited(self, since: tuple[int, float] | None = None):
-        """The shadow audit's (count, KL sum) now; with ``since``, the KL of the one audit run after it
-        (None if none ran)."""
+    def audited(self, since: tuple[int, float, float] | None = None):
+        """The shadow audit's (count, KL sum, seconds) now; with ``since``, the (KL, seconds) of the one audit
+        run after it (None if none ran)."""
         st = self.engine.segment_reuse.audit.stats
         if since is None:
-            return st.audits, st.kl_sum
-        return st.kl_sum - since[1] if st.audits == since[0] + 1 else None
+            return st.audits, st.kl_sum, st.seconds
+        return (st.kl_sum - since[1], st.seconds - since[2]) if st.audits == since[0] + 1 else None
 
     def ids(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
@@ -254,9 +254,10 @@ def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
         prefix = h.run(False, r.prompt, r.warm, max_tokens)
         audited = h.audited()
         auto = h.run(True, r.prompt, r.warm, max_tokens)
-        audited = h.audited(since=audited)
-        if audited is not None:  # the shadow audit's measure of the same answer, beside the harness's own
-            st.add(audit_kl=audited, audit_gap=abs(audited - float(k[0])))
+        audit = h.audited(since=audited)
+        audited = audit[0] if audit is not None else None
+        if audit is not None:  # the shadow audit's measure of the same answer, beside the harness's own
+            st.add(audit_kl=audited, audit_gap=abs(audited - float(k[0])), audit_s=audit[1])
         a = auto.auto_reuse or {"tokens": 0, "drift": None, "fallback": False, "repaired": 0}
         doc_tokens = sum(len(h.ids(d)) for d in r.docs)
         st.add(ttft_full=full.metrics["ttft"], ttft_prefix=prefix.metrics["ttft"], ttft_auto=auto.metrics["ttft"],
@@ -277,7 +278,7 @@ def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
               f"KL mean {float(k.mean()):.4f} "
               f"(forced: drift {res.drift:.4f}, attention-weighted {res.drift_attn:.5f}), "
               f"TTFT full/prefix/auto {full.metrics['ttft']:.2f}/{prefix.metrics['ttft']:.2f}/"
-              f"{auto.metrics['ttft']:.2f} s", flush=True)
+              f"{auto.metrics['ttft']:.2f} s" + (f", audit KL {audited:.4f}" if audited is not None else ""), flush=True)
     return st
 
 
@@ -330,8 +331,8 @@ def audit_line(name: str, st: Stats, bound: float) -> str:
     """What the engine's shadow audit measured over a workload, against the harness's own KL first."""
     kls = st.rows["audit_kl"]
     return (f"shadow audit, {name}: {len(kls)} answers audited, {sum(k > bound for k in kls)} over the bound "
-            f"{bound} (KL first), mean KL {statistics.mean(kls):.4f}; against the harness's KL first: largest "
-            f"difference {max(st.rows['audit_gap']):.2g}")
+            f"{bound} (KL first), mean KL {statistics.mean(kls):.4f}, {statistics.mean(st.rows['audit_s']) * 1e3:.0f} ms "
+            f"an audit; against the harness's KL first: largest difference {max(st.rows['audit_gap']):.2g}")
 
 
 def main() -> None:

@@ -19,6 +19,7 @@ guard sent back to a full prefill is not audited (nothing reused was kept).
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -39,10 +40,12 @@ class AuditStats:
     kl_sum: float = 0.0
     kl_counts: list[int] = field(default_factory=lambda: [0] * (len(KL_BUCKETS) + 1))  # per bucket, +Inf last
     failed: int = 0  # audits that raised (logged; the request was not affected)
+    seconds: float = 0.0  # spent auditing (on the engine's thread, between steps)
     buckets: tuple[float, ...] = KL_BUCKETS
 
-    def add(self, kl: float, bound: float) -> None:
+    def add(self, kl: float, bound: float, seconds: float = 0.0) -> None:
         self.audits += 1
+        self.seconds += seconds
         self.over_bound += kl > bound
         self.kl_sum += kl
         self.kl_counts[next((i for i, le in enumerate(self.buckets) if kl <= le), len(self.buckets))] += 1
@@ -95,6 +98,7 @@ class ShadowAudit:
                 start: int, answered: torch.Tensor, bound: float) -> float:
         """Audit one answer: ``answered``, the logits row ``[V]`` its first token was drawn from;
         ``slots``, the prompt's (held), exact below ``start``. Returns the measured KL."""
+        t0 = time.perf_counter()
         kl = kl_to_full(full_prefill_logits(model, kv, token_ids, slots, start), answered)
-        self.stats.add(kl, bound)
+        self.stats.add(kl, bound, time.perf_counter() - t0)
         return kl

@@ -41,11 +41,12 @@ class EngineStats:
     auto_reuse_repairs: int = 0
     auto_reuse_repaired_tokens: int = 0
     # The shadow audit (blend/shadow.py): answers from reused KV measured against a full prefill, those
-    # whose KL was over the bound, audits that failed, and the KL's histogram (``AuditStats`` as a dict:
+    # whose KL was over the bound, audits that failed, seconds spent auditing, and the KL's histogram (``AuditStats`` as a dict:
     # ``buckets`` upper bounds, ``counts`` per bucket with +Inf last, ``sum``); {} before any audit.
     auto_reuse_audits: int = 0
     auto_reuse_audits_over_bound: int = 0
     auto_reuse_audits_failed: int = 0
+    auto_reuse_audit_seconds: float = 0.0
     auto_reuse_audit_kl: dict = field(default_factory=dict)
     # The breaker (blend/breaker.py): namespaces it turned automatic reuse off for, ever and now.
     auto_reuse_audit_trips: int = 0
@@ -127,7 +128,7 @@ def audit_stats(st) -> dict:
     if not st.audits and not st.failed:
         return {}
     return {"auto_reuse_audits": st.audits, "auto_reuse_audits_over_bound": st.over_bound,
-            "auto_reuse_audits_failed": st.failed,
+            "auto_reuse_audits_failed": st.failed, "auto_reuse_audit_seconds": st.seconds,
             "auto_reuse_audit_kl": {"buckets": list(st.buckets), "counts": list(st.kl_counts), "sum": st.kl_sum}}
 
 
