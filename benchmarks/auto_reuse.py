@@ -223,6 +223,7 @@ class Harness:
         compute them: the prefix hit first, then (auto) the chunks found, blended and guarded."""
         e, sr = self.engine, self.engine.segment_reuse
         with self.forced_slots(prompt, warm, answer) as (p_ids, ids, slots, start, positions):
+            auto = auto and not sr.breaker.off((None, None))  # as the engine: no reuse while its breaker is off
             spans = (sr.auto.plan(p_ids, start, None, None) or ()) if auto else ()
             res = sr.blender.prefill(ids, spans, slots, start, self.opts, logits_positions=positions)
             verdict = guard(e.model, e.kv, ids, slots, res, e.config.auto_reuse_max_drift, positions)
@@ -255,6 +256,7 @@ def measure(h: Harness, reqs: list[Req], max_tokens: int, label: str) -> Stats:
         audited = h.audited()
         auto = h.run(True, r.prompt, r.warm, max_tokens)
         audit = h.audited(since=audited)
+        st.add(tripped=h.engine.segment_reuse.breaker.off((None, None)))
         audited = audit[0] if audit is not None else None
         if audit is not None:  # the shadow audit's measure of the same answer, beside the harness's own
             st.add(audit_kl=audited, audit_gap=abs(audited - float(k[0])), audit_s=audit[1])
@@ -350,6 +352,9 @@ def main() -> None:
     ap.add_argument("--audit-rate", type=float, default=0.0,
                     help="auto_reuse_audit_rate: answers from reused KV measured against a full prefill by the "
                          "engine's shadow audit (after the answer; not in TTFT), compared with the harness's KL first")
+    ap.add_argument("--audit-trip", type=float, default=None,
+                    help="auto_reuse_audit_trip: the breaker's share (with --audit-rate); run one workload at a time, "
+                         "their requests share a namespace")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--device", default="cpu", help="cpu, or cuda (the engine's device)")
     ap.add_argument("--seed", type=int, default=0)
@@ -363,7 +368,8 @@ def main() -> None:
     rng = random.Random(args.seed)
     blend = {k: v for k, v in (("blend_ratio", args.ratio), ("blend_head_tokens", args.head),
                                ("blend_selection", args.selection), ("blend_check_layer", args.check_layer),
-                               ("auto_reuse_contexts", args.contexts), ("auto_reuse_audit_rate", args.audit_rate or None))
+                               ("auto_reuse_contexts", args.contexts), ("auto_reuse_audit_rate", args.audit_rate or None),
+                               ("auto_reuse_audit_trip", args.audit_trip))
              if v is not None}
     h = Harness(args.dtype, args.max_drift, args.device, **blend)
     print(f"blend options: {h.opts}", flush=True)
@@ -399,6 +405,10 @@ def main() -> None:
     for name, st in results.items():
         if st.rows.get("audit_kl"):
             print(audit_line(name, st, h.engine.config.auto_reuse_max_drift))
+        if args.audit_trip is not None:
+            first = next((i + 1 for i, off in enumerate(st.rows["tripped"]) if off), None)
+            print(f"breaker, {name}: automatic reuse off from measured request {first} on "
+                  f"({h.engine.segment_reuse.breaker.trips} trips in the run)")
     # Pooled over workloads the estimate mostly ranks the workloads (a repair drifts less than a moved
     # document); within one it must rank the requests, which is what a per-request guard needs.
     groups = {"all workloads": list(results.values()), **{name: [s] for name, s in results.items()}}

@@ -78,11 +78,6 @@ def full_prefill_logits(model: LlamaForCausalLM, kv: PagedKVCache, token_ids: li
     return out.logits[-1]
 
 
-def check_rate(rate: float) -> None:
-    if not 0.0 <= rate <= 1.0:  # NaN fails too
-        raise ValueError(f"auto_reuse_audit_rate must be in [0, 1], got {rate}")
-
-
 class ShadowAudit:
     """Which requests to audit (a seeded draw) and what the audits found."""
 

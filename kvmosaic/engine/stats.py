@@ -41,8 +41,8 @@ class EngineStats:
     auto_reuse_repairs: int = 0
     auto_reuse_repaired_tokens: int = 0
     # The shadow audit (blend/shadow.py): answers from reused KV measured against a full prefill, those
-    # whose KL was over the bound, audits that failed, seconds spent auditing, and the KL's histogram (``AuditStats`` as a dict:
-    # ``buckets`` upper bounds, ``counts`` per bucket with +Inf last, ``sum``); {} before any audit.
+    # whose KL was over the bound, audits that failed, seconds spent auditing, and the KL's histogram
+    # (``buckets`` upper bounds, ``counts`` per bucket with +Inf last, ``sum``; {} before any audit).
     auto_reuse_audits: int = 0
     auto_reuse_audits_over_bound: int = 0
     auto_reuse_audits_failed: int = 0

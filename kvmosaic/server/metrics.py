@@ -142,12 +142,18 @@ def tier_metrics(tiers_stats: dict, model_name: str) -> Iterator[Metric]:
         yield m
     h = HistogramMetricFamily(PREFIX + "kv_tier_load_latency_seconds", "Latency of a tier get().", labels=names)
     for name, s in tiers.items():
-        cum, buckets = 0, []
-        for bound, n in zip([*map(str, TIER_BUCKETS), "+Inf"], s["load_latency_buckets"]):
-            cum += n
-            buckets.append((bound, cum))
-        h.add_metric([model_name, name, s["medium"]], buckets, s["load_latency_sum"])
+        h.add_metric([model_name, name, s["medium"]], cumulative(TIER_BUCKETS, s["load_latency_buckets"]),
+                     s["load_latency_sum"])
     yield h
+
+
+def cumulative(bounds, counts: list[int]) -> list[tuple[str, int]]:
+    """Per-bucket counts (+Inf last) as a Prometheus histogram's cumulative ``(le, count)`` pairs."""
+    out, cum = [], 0
+    for le, n in zip([*map(str, bounds), "+Inf"], counts):
+        cum += n
+        out.append((le, cum))
+    return out
 
 
 def audit_metrics(st: EngineStats, model_name: str) -> Iterator[Metric]:
@@ -179,11 +185,7 @@ def audit_metrics(st: EngineStats, model_name: str) -> Iterator[Metric]:
     h = HistogramMetricFamily(PREFIX + "auto_reuse_audit_kl", "KL from a full prefill's next-token distribution "
                               "to the one an audited answer's first token was drawn from (nats).",
                               labels=["model_name"])
-    cum, buckets = 0, []
-    for bound, n in zip([*map(str, kl["buckets"]), "+Inf"], kl["counts"]):
-        cum += n
-        buckets.append((bound, cum))
-    h.add_metric([model_name], buckets, kl["sum"])
+    h.add_metric([model_name], cumulative(kl["buckets"], kl["counts"]), kl["sum"])
     yield h
 
 
