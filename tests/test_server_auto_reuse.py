@@ -50,6 +50,13 @@ def metric(server, name: str) -> float:
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
 
 
+def labels(server, name: str, label: str) -> set[str]:
+    """The values of ``label`` on the samples of ``name`` that are above 0."""
+    text = httpx.get(server.url + "/metrics", headers={"Authorization": "Bearer admin-key"}, timeout=30).text
+    return {line.split(f'{label}="', 1)[1].split('"', 1)[0] for line in text.splitlines()
+            if line.startswith(name + "{") and float(line.rsplit(" ", 1)[1]) > 0}
+
+
 def test_reordered_documents_are_reused_for_their_tenant_only(server):
     first = chat(server, DOCS)
     assert first["auto_reused_tokens"] == 0 and first["auto_reuse_drift"] is None
@@ -69,6 +76,8 @@ def test_reordered_documents_are_reused_for_their_tenant_only(server):
     assert metric(server, "kvmosaic:auto_reuse_audit_kl_count") == audits
     assert 0 < metric(server, "kvmosaic:auto_reuse_audit_kl_sum") < 0.2 * audits
     assert metric(server, "kvmosaic:auto_reuse_audits_failed_total") == 0
+    assert metric(server, "kvmosaic:tenant_auto_reuse_audits_total") == audits  # all of them tenant a's
+    assert len(labels(server, "kvmosaic:tenant_auto_reuse_audits_total", "tenant")) == 1
     assert all(h["kv"]["num_used_blocks"] == 0 for h in server.pool_healths(Authorization="Bearer admin-key"))
 
 

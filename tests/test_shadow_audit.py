@@ -135,6 +135,15 @@ def test_kl_and_the_histogram():
         st.add(kl, bound=0.03)
     assert st.audits == 4 and st.over_bound == 2 and st.kl_sum == pytest.approx(5.0655)
     assert st.kl_counts[0] == 1 and st.kl_counts[st.buckets.index(0.03)] == 1 and st.kl_counts[-1] == 1
+    assert st.tenants == {"-": [4, 2]}  # requests without a tenant label
+
+
+def test_audits_are_counted_per_tenant_up_to_a_cap(monkeypatch):
+    monkeypatch.setattr(shadow, "MAX_TENANTS", 2)
+    st = AuditStats()
+    for tenant, kl in (("a", 0.05), ("b", 0.0), ("a", 0.0), ("c", 0.5), ("d", 0.0)):
+        st.add(kl, bound=0.03, tenant=tenant)
+    assert st.tenants == {"a": [2, 1], "b": [1, 0], "other": [2, 1]}
 
 
 def test_a_namespace_whose_audits_drift_gets_ordinary_prefills_until_its_hold_ends(llm, plain, monkeypatch):

@@ -181,20 +181,21 @@ class SegmentReuse:
                 cache.release(held)
 
     def _audit_one(self, token_ids: list[int], slots: torch.Tensor, start: int, answered: torch.Tensor,
-                   namespace: tuple) -> None:
+                   namespace: tuple, tenant: str | None) -> None:
         """One shadow audit (``shadow.py``), once the request's first token is out, and its verdict to the
         breaker (``breaker.py``); a failed audit is counted and logged, and costs nothing else."""
         c = self.config
         bound = c.auto_reuse_audit_bound if c.auto_reuse_audit_bound is not None else c.auto_reuse_max_drift
         try:
-            kl = self.audit.measure(self.blender.model, self.kv, token_ids, slots, start, answered, bound)
+            kl = self.audit.measure(self.blender.model, self.kv, token_ids, slots, start, answered, bound, tenant)
         except Exception:  # noqa: BLE001 - an audit observes; it must not fail a step
             self.audit.stats.failed += 1
             logger.exception("auditing an answer from reused KV failed")
             return
         if self.breaker.record(namespace, kl > bound, c.auto_reuse_audit_trip):
-            logger.warning("automatic reuse off for a namespace for %.0f s: more than %.0f%% of its last audited "
-                           "answers drifted over the bound %g", TRIP_HOLD_S, 100 * c.auto_reuse_audit_trip, bound)
+            logger.warning("automatic reuse off for a namespace of tenant %s for %.0f s: more than %.0f%% of its last "
+                           "audited answers drifted over the bound %g", tenant or "-", TRIP_HOLD_S,
+                           100 * c.auto_reuse_audit_trip, bound)
 
     def _blend_one(self, s, cache, opts: BlendOptions) -> torch.Tensor:
         seq = s.seq
@@ -211,7 +212,8 @@ class SegmentReuse:
                                                        folds=res.folds))
             if res.num_reused_tokens and self.audit.sampled(self.config.auto_reuse_audit_rate):
                 self._defer(cache, seq.request_id, partial(self._audit_one, list(seq.all_token_ids), slots, start,
-                                                           res.logits[-1].clone(), (seq.cache_salt, seq.adapter_id)))
+                                                           res.logits[-1].clone(), (seq.cache_salt, seq.adapter_id),
+                                                           seq.tenant))
             seq.cache_limit = max(start, res.exact_until)
             s.num_new_tokens = seq.num_tokens - start
             return res.logits

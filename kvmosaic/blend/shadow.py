@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.lens import NO_TENANT, OTHER
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from .forward import blend_forward
@@ -31,6 +32,7 @@ from .forward import blend_forward
 # Upper bounds of the drift histogram's buckets (KL in nats; +Inf is implied): about the bound's
 # decade and two on either side, where the guard's estimate and the measured drift are compared.
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.02, 0.03, 0.05, 0.1, 0.3, 1.0)
+MAX_TENANTS = 256
 
 
 @dataclass
@@ -42,13 +44,22 @@ class AuditStats:
     failed: int = 0  # audits that raised (logged; the request was not affected)
     seconds: float = 0.0  # spent auditing (on the engine's thread, between steps)
     buckets: tuple[float, ...] = KL_BUCKETS
+    # per tenant label (the server's, from the API key; "-": none): [audits, over the bound], at most
+    # MAX_TENANTS labels, later ones counted as "other" (as cache/lens.py counts them)
+    tenants: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, kl: float, bound: float, seconds: float = 0.0) -> None:
+    def add(self, kl: float, bound: float, seconds: float = 0.0, tenant: str | None = None) -> None:
         self.audits += 1
         self.seconds += seconds
         self.over_bound += kl > bound
         self.kl_sum += kl
         self.kl_counts[next((i for i, le in enumerate(self.buckets) if kl <= le), len(self.buckets))] += 1
+        label = NO_TENANT if tenant is None else tenant
+        if label not in self.tenants and len(self.tenants) >= MAX_TENANTS:
+            label = OTHER
+        fig = self.tenants.setdefault(label, [0, 0])
+        fig[0] += 1
+        fig[1] += kl > bound
 
 
 def kl_to_full(full_logits: torch.Tensor, reused_logits: torch.Tensor) -> float:
@@ -90,10 +101,11 @@ class ShadowAudit:
         return rate >= 1 or (rate > 0 and self._draw.random() < rate)
 
     def measure(self, model: LlamaForCausalLM, kv: PagedKVCache, token_ids: list[int], slots: torch.Tensor,
-                start: int, answered: torch.Tensor, bound: float) -> float:
+                start: int, answered: torch.Tensor, bound: float, tenant: str | None = None) -> float:
         """Audit one answer: ``answered``, the logits row ``[V]`` its first token was drawn from;
-        ``slots``, the prompt's (held), exact below ``start``. Returns the measured KL."""
+        ``slots``, the prompt's (held), exact below ``start``; ``tenant``, its sender's label. Returns
+        the measured KL."""
         t0 = time.perf_counter()
         kl = kl_to_full(full_prefill_logits(model, kv, token_ids, slots, start), answered)
-        self.stats.add(kl, bound, time.perf_counter() - t0)
+        self.stats.add(kl, bound, time.perf_counter() - t0, tenant)
         return kl

@@ -48,6 +48,7 @@ class EngineStats:
     auto_reuse_audits_failed: int = 0
     auto_reuse_audit_seconds: float = 0.0
     auto_reuse_audit_kl: dict = field(default_factory=dict)
+    auto_reuse_audit_tenants: dict = field(default_factory=dict)  # tenant label -> {"audits", "over_bound"}
     # The breaker (blend/breaker.py): namespaces it turned automatic reuse off for, ever and now.
     auto_reuse_audit_trips: int = 0
     auto_reuse_namespaces_off: int = 0
@@ -129,7 +130,8 @@ def audit_stats(st) -> dict:
         return {}
     return {"auto_reuse_audits": st.audits, "auto_reuse_audits_over_bound": st.over_bound,
             "auto_reuse_audits_failed": st.failed, "auto_reuse_audit_seconds": st.seconds,
-            "auto_reuse_audit_kl": {"buckets": list(st.buckets), "counts": list(st.kl_counts), "sum": st.kl_sum}}
+            "auto_reuse_audit_kl": {"buckets": list(st.buckets), "counts": list(st.kl_counts), "sum": st.kl_sum},
+            "auto_reuse_audit_tenants": {t: {"audits": a, "over_bound": o} for t, (a, o) in st.tenants.items()}}
 
 
 def slot_usage(engine) -> dict[str, int]:

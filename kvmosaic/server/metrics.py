@@ -29,7 +29,8 @@ backends), ``kvmosaic:kv_events_dropped_total`` and ``kvmosaic:fair_share_antici
 ``kvmosaic:auto_reuse_requests_total`` / ``_tokens_total`` / ``_fallbacks_total`` / ``_repairs_total`` /
 ``_repaired_tokens_total`` and its shadow audit's ``kvmosaic:auto_reuse_audits_total`` /
 ``_audits_over_bound_total`` / ``_audits_failed_total`` / ``_audit_seconds_total`` / ``_audit_trips_total``, the
-histogram ``kvmosaic:auto_reuse_audit_kl`` and the gauge ``kvmosaic:auto_reuse_namespaces_off``.
+histogram ``kvmosaic:auto_reuse_audit_kl``, per tenant ``kvmosaic:tenant_auto_reuse_audits_total`` /
+``_audits_over_bound_total`` and the gauge ``kvmosaic:auto_reuse_namespaces_off``.
 Counters and gauges are read at scrape time from a snapshot the engine thread takes for that scrape, so
 they cannot drift from what the engine counts.
 """
@@ -174,6 +175,14 @@ def audit_metrics(st: EngineStats, model_name: str) -> Iterator[Metric]:
              st.auto_reuse_audit_trips)):
         m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name"])
         m.add_metric([model_name], value)
+        yield m
+    tenants = st.auto_reuse_audit_tenants or {}
+    for name, key, doc in (("tenant_auto_reuse_audits", "audits", "Audited answers from reused KV, by tenant."),
+                           ("tenant_auto_reuse_audits_over_bound", "over_bound",
+                            "Of those, answers whose measured KL exceeded the bound, by tenant.")):
+        m = CounterMetricFamily(PREFIX + name, doc, labels=["model_name", "tenant"])
+        for label, fig in sorted(tenants.items()):
+            m.add_metric([model_name, label], fig[key])
         yield m
     off = GaugeMetricFamily(PREFIX + "auto_reuse_namespaces_off", "Namespaces whose automatic reuse is off now "
                             "(the breaker, --auto-reuse-audit-trip).", labels=["model_name"])
