@@ -109,7 +109,7 @@ def test_auto_reuse_rag_workloads():
     quarters of a long one, at times), plain text (no markup) after the prefix the cache holds."""
     import random
 
-    from benchmarks import auto_reuse as ar
+    from benchmarks import auto_reuse_workloads as ar
 
     for make, pool, size in ((ar.rag_requests, ar.POOL, 20), (ar.rag_long_requests, ar.DOCS, 5)):
         reqs = make(12, random.Random(0), None, False)  # text form: no tokenizer
