@@ -297,7 +297,7 @@ def main() -> None:
             print(audit_line(name, st, h.engine.config.auto_reuse_max_drift))
         if args.audit_trip is not None:
             first = next((i + 1 for i, off in enumerate(st.rows["tripped"]) if off), None)
-            print(f"breaker, {name}: automatic reuse off from measured request {first} on "
+            print(f"breaker, {name}: automatic reuse off after measured request {first} "
                   f"({h.engine.segment_reuse.breaker.trips} trips in the run)")
     # Pooled over workloads the estimate mostly ranks the workloads (a repair drifts less than a moved
     # document); within one it must rank the requests, which is what a per-request guard needs.
