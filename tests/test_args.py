@@ -35,6 +35,7 @@ ENGINE_FLAGS = {
     "segment_reuse": ["--segment-reuse", "auto"], "auto_reuse_max_drift": ["--auto-reuse-max-drift", "0.07"],
     "auto_reuse_contexts": ["--auto-reuse-contexts", "2"],
     "auto_reuse_audit_rate": ["--auto-reuse-audit-rate", "0.25"],
+    "auto_reuse_audit_tokens": ["--auto-reuse-audit-tokens", "16"],
     "auto_reuse_audit_bound": ["--auto-reuse-audit-bound", "0.05"],
     "auto_reuse_audit_trip": ["--auto-reuse-audit-trip", "0.3"],
     "blend_ratio": ["--blend-ratio", "0.3"], "blend_threshold": ["--blend-threshold", "0.7"],

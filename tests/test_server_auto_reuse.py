@@ -31,6 +31,7 @@ def server(request):
     args = ["--device", TEST_DEVICE, "--dtype", "float32", "--num-threads", "1", "--num-kv-blocks", "256",
             "--max-model-len", "1024",
             "--segment-reuse", "auto", "--auto-reuse-max-drift", "0.2", "--auto-reuse-audit-rate", "1",
+            "--auto-reuse-audit-tokens", "3",
             "--api-key", "key-a", "--api-key", "key-b", "--admin-key", "admin-key"]
     proc = ServerProcess(*args, *(["--replicas", str(request.param)] if request.param else []))
     with proc.start():
@@ -74,6 +75,7 @@ def test_reordered_documents_are_reused_for_their_tenant_only(server):
     audits = metric(server, "kvmosaic:auto_reuse_audits_total")
     assert audits == metric(server, "kvmosaic:auto_reuse_requests_total") >= 1
     assert metric(server, "kvmosaic:auto_reuse_audit_kl_count") == audits
+    assert audits <= metric(server, "kvmosaic:auto_reuse_audited_tokens_total") <= 3 * audits  # answers' first 3
     assert 0 < metric(server, "kvmosaic:auto_reuse_audit_kl_sum") < 0.2 * audits
     assert metric(server, "kvmosaic:auto_reuse_audits_failed_total") == 0
     assert metric(server, "kvmosaic:tenant_auto_reuse_audits_total") == audits  # all of them tenant a's

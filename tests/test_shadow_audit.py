@@ -9,7 +9,10 @@ import torch
 
 from kvmosaic.blend import breaker, shadow
 from kvmosaic.blend.shadow import AuditStats, ShadowAudit, kl_to_full
+from kvmosaic.engine import llm_engine
 from kvmosaic.engine.llm import LLM
+from kvmosaic.engine.sampler import sample_rows
+from kvmosaic.engine.sampling_params import SamplingParams
 from tests.test_auto_reuse import DOCS, GREEDY, text
 
 
@@ -24,22 +27,24 @@ def plain():
     return LLM(dtype="float32", num_kv_blocks=256)
 
 
+def drawn_logits(llm, prompt, params=GREEDY):
+    """The logits rows a request's tokens were drawn from, as the engine handed them to its sampler (one
+    request alone, no logits processor), and the request's output."""
+    rows = []
+
+    def keep(logits, *args, **kwargs):
+        rows.append(logits[-1].clone())
+        return sample_rows(logits, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(llm_engine, "sample_rows", keep)
+        out = llm.generate(prompt, params)[0]
+    return rows, out
+
+
 def first_logits(llm, prompt):
-    """The logits row a request's first token is drawn from, as the engine computed it (its first call of
-    the LM head: the prompt's), and the request's output."""
-    model, rows = llm.engine.model, []
-    inner = model.compute_logits
-
-    def keep(hidden):
-        out = inner(hidden)
-        rows.append(out[-1].clone())
-        return out
-
-    model.compute_logits = keep
-    try:
-        out = llm.generate(prompt, GREEDY)[0]
-    finally:
-        del model.compute_logits
+    """The logits row a request's first token is drawn from, and the request's output."""
+    rows, out = drawn_logits(llm, prompt)
     return rows[0], out
 
 
@@ -117,8 +122,80 @@ def test_the_rate_draws_a_share_of_the_answers():
     assert 400 < sum(audit.sampled(0.5) for _ in range(1000)) < 600
 
 
+def kl_rows(reused, full) -> float:
+    return float(torch.nn.functional.kl_div(reused.log_softmax(-1), full.log_softmax(-1), log_target=True,
+                                            reduction="sum"))
+
+
+def test_an_audit_over_the_answer_measures_its_mean_kl_to_ordinary_prefills(llm, plain):
+    """``auto_reuse_audit_tokens`` 4: the drift counted is the mean over the answer's first four tokens of the
+    KL between the distribution each was drawn from and the one another engine's ordinary prefill of the
+    prompt and the answer's tokens before it gives there (teacher-forced with the answer's own tokens)."""
+    e = llm.engine
+    e.config.auto_reuse_audit_tokens = 4
+    try:
+        reused(llm)  # the store holds the documents in order; this request's audit is counted before
+        before = e.get_stats()
+        assert e.reset_prefix_cache()
+        rows, out = drawn_logits(llm, text(DOCS[::-1]))
+        assert out.auto_reuse["tokens"] > 0 and len(out.token_ids) == 6
+        st = e.get_stats()
+    finally:
+        e.config.auto_reuse_audit_tokens = 1
+    prompt = plain.engine.tokenizer.encode(text(DOCS[::-1]))
+    assert prompt == out.prompt_token_ids
+    want = []
+    for j in range(4):
+        assert plain.engine.reset_prefix_cache()
+        full, _ = first_logits(plain, prompt + out.token_ids[:j])
+        want.append(kl_rows(rows[j], full))
+    assert st.auto_reuse_audits == before.auto_reuse_audits + 1
+    assert st.auto_reuse_audited_tokens == before.auto_reuse_audited_tokens + 4
+    measured = st.auto_reuse_audit_kl["sum"] - before.auto_reuse_audit_kl["sum"]
+    assert min(want) > 1e-5 and max(want) > 2 * min(want)  # drifts that differ: their mean is what counts
+    assert measured == pytest.approx(sum(want) / 4, rel=1e-3, abs=1e-6)
+    assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending
+
+
+def test_a_shorter_answer_is_audited_over_the_tokens_it_has(llm):
+    e = llm.engine
+    e.config.auto_reuse_audit_tokens = 16  # more than GREEDY's 6
+    try:
+        before = e.get_stats()
+        _, out = reused(llm)
+        st = e.get_stats()
+    finally:
+        e.config.auto_reuse_audit_tokens = 1
+    assert len(out.token_ids) == 6
+    assert st.auto_reuse_audits == before.auto_reuse_audits + 1  # the documents in order reused nothing
+    assert st.auto_reuse_audited_tokens == before.auto_reuse_audited_tokens + 6
+    assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending
+
+
+def test_an_aborted_answer_is_audited_on_its_rows_and_gives_its_blocks_back(llm):
+    e = llm.engine
+    e.config.auto_reuse_audit_tokens = 16
+    try:
+        reused(llm)
+        assert e.reset_prefix_cache()
+        before = e.get_stats()
+        seq = e.add_request(text(DOCS[1:] + DOCS[:1]), SamplingParams(max_tokens=40, temperature=0))
+        while len(seq.output_token_ids) < 3:
+            e.step()
+        assert seq.num_auto_tokens > 0 and e.segment_reuse.has_pending
+        e.abort_request(seq.request_id)
+        e.finish_pending()
+        st = e.get_stats()
+    finally:
+        e.config.auto_reuse_audit_tokens = 1
+    assert st.auto_reuse_audits == before.auto_reuse_audits + 1
+    assert st.auto_reuse_audited_tokens == before.auto_reuse_audited_tokens + 3
+    assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending and not e.has_unfinished_requests()
+
+
 def test_the_options_are_checked():
     for bad in ({"auto_reuse_audit_rate": 1.5}, {"auto_reuse_audit_rate": float("nan")},
+                {"auto_reuse_audit_tokens": 0}, {"auto_reuse_audit_tokens": 65},
                 {"auto_reuse_audit_bound": -0.1}, {"auto_reuse_audit_trip": 1.0}):
         with pytest.raises(ValueError, match="auto_reuse_audit"):
             LLM(dtype="float32", num_kv_blocks=16, segment_reuse="auto", **bad)

@@ -22,7 +22,9 @@ reference on its blocks (``KVCacheManager.hold``); the chunks are stored and fol
 its caller stops stepping), after the step's outputs went out, and which then drops the references.
 Until then the prompt's KV stays where it was written even if the request has finished; a failed
 store costs the store those chunks, never the request. The shadow audit of a sampled answer from
-reused KV (``shadow.py``, ``auto_reuse_audit_rate``) is deferred the same way.
+reused KV (``shadow.py``, ``auto_reuse_audit_rate``) is deferred the same way, once the logits rows of
+its first ``auto_reuse_audit_tokens`` answer tokens are kept (:meth:`SegmentReuse.observe`) or the
+request ended; its blocks are held from the blend on.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ from ..tiers import TierStack
 from .auto import AutoReuse, auto_floor, rule_for
 from .blender import Blender, BlendOptions
 from .breaker import TRIP_HOLD_S, DriftBreaker
-from .shadow import ShadowAudit
+from .shadow import AuditRecord, ShadowAudit
 from .store import SegmentKVStore
 
 logger = logging.getLogger("kvmosaic.blend")
@@ -65,6 +67,7 @@ class SegmentReuse:
         self._tokenizer, self._auto = tokenizer, None
         self._pending: list[tuple[Callable[[], object], list]] = []  # (store work, the blocks it holds)
         self.audit, self.breaker = ShadowAudit(), DriftBreaker()
+        self._auditing: dict[str, tuple[object, AuditRecord]] = {}  # request id -> (sequence, its rows so far)
 
     @property
     def auto(self) -> AutoReuse | None:
@@ -166,11 +169,40 @@ class SegmentReuse:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._pending)
+        return bool(self._pending or self._auditing)
+
+    def observe(self, seqs: list, raw: torch.Tensor) -> None:
+        """After a step's tokens were sampled and processed: keep the raw logits row (before any
+        logits processor) each audited answer's token was drawn from; an answer with
+        ``auto_reuse_audit_tokens`` rows, or finished, goes to its audit."""
+        if not self._auditing:
+            return
+        for i, seq in enumerate(seqs):
+            entry = self._auditing.get(seq.request_id)
+            if entry is None or entry[0] is not seq:  # not audited, or a forked sample of it
+                continue
+            if seq.num_preemptions != entry[1].preemptions:  # its KV was recomputed: no longer from reuse
+                self._close_audit(seq.request_id)
+                continue
+            entry[1].rows.append(raw[i].float().clone())
+            if len(entry[1].rows) >= self.config.auto_reuse_audit_tokens or seq.finish_reason is not None:
+                self._close_audit(seq.request_id)
+
+    def _close_audit(self, request_id: str) -> None:
+        seq, record = self._auditing.pop(request_id)
+        if not record.rows:  # it ended before its first token: nothing to measure
+            self._pending.append((lambda: None, record.held))
+            return
+        self._pending.append((partial(self._audit_one, record, list(seq.output_token_ids)), record.held))
 
     def finish_pending(self, cache) -> None:
         """Run the stores deferred by the steps before (module docstring), then drop the references
-        that kept their KV in place. A failure costs the store those chunks, never a request."""
+        that kept their KV in place. A failure costs the store those chunks, never a request. An
+        audited request that ended (aborted, failed) or was preempted before its rows were all kept
+        is audited on the rows it has."""
+        for rid, (seq, record) in list(self._auditing.items()):
+            if seq.finish_reason is not None or seq.num_preemptions != record.preemptions:
+                self._close_audit(rid)
         pending, self._pending = self._pending, []
         for work, held in pending:
             try:
@@ -180,21 +212,20 @@ class SegmentReuse:
             finally:
                 cache.release(held)
 
-    def _audit_one(self, token_ids: list[int], slots: torch.Tensor, start: int, answered: torch.Tensor,
-                   namespace: tuple, tenant: str | None) -> None:
-        """One shadow audit (``shadow.py``), once the request's first token is out, and its verdict to the
-        breaker (``breaker.py``); a failed audit is counted and logged, and costs nothing else."""
+    def _audit_one(self, record: AuditRecord, answer: list[int]) -> None:
+        """One shadow audit (``shadow.py``) and its verdict to the breaker (``breaker.py``); a failed
+        audit is counted and logged, and costs nothing else."""
         c = self.config
         bound = c.auto_reuse_audit_bound if c.auto_reuse_audit_bound is not None else c.auto_reuse_max_drift
         try:
-            kl = self.audit.measure(self.blender.model, self.kv, token_ids, slots, start, answered, bound, tenant)
+            kl = self.audit.measure(self.blender.model, self.kv, record, answer, bound)
         except Exception:  # noqa: BLE001 - an audit observes; it must not fail a step
             self.audit.stats.failed += 1
             logger.exception("auditing an answer from reused KV failed")
             return
-        if self.breaker.record(namespace, kl > bound, c.auto_reuse_audit_trip):
+        if self.breaker.record(record.namespace, kl > bound, c.auto_reuse_audit_trip):
             logger.warning("automatic reuse off for a namespace of tenant %s for %.0f s: more than %.0f%% of its last "
-                           "audited answers drifted over the bound %g", tenant or "-", TRIP_HOLD_S,
+                           "audited answers drifted over the bound %g", record.tenant or "-", TRIP_HOLD_S,
                            100 * c.auto_reuse_audit_trip, bound)
 
     def _blend_one(self, s, cache, opts: BlendOptions) -> torch.Tensor:
@@ -211,9 +242,9 @@ class SegmentReuse:
                                                        seq.adapter_id, reused=spans, computed_from=start,
                                                        folds=res.folds))
             if res.num_reused_tokens and self.audit.sampled(self.config.auto_reuse_audit_rate):
-                self._defer(cache, seq.request_id, partial(self._audit_one, list(seq.all_token_ids), slots, start,
-                                                           res.logits[-1].clone(), (seq.cache_salt, seq.adapter_id),
-                                                           seq.tenant))
+                self._auditing[seq.request_id] = (seq, AuditRecord(
+                    list(seq.prompt_token_ids), slots, start, (seq.cache_salt, seq.adapter_id), seq.tenant,
+                    cache.hold(seq.request_id), seq.num_preemptions))
             seq.cache_limit = max(start, res.exact_until)
             s.num_new_tokens = seq.num_tokens - start
             return res.logits

@@ -3,17 +3,20 @@ drift the guard estimates is measured (issue 24; docs/ARCHITECTURE.md, "Automati
 
 The guard (``guard.py``) bounds an *estimate*, which ranks requests within a workload poorly
 (BENCHMARKS.md, issue 24): it cannot promise that a request's answer stayed close to what a full
-prefill gives. The audit measures that instead, on a share of the requests (``auto_reuse_audit_rate``):
-once the request's first token is out (deferred with the chunk stores, ``engine_hook.py``), the prompt
-is computed again in full in a scratch KV buffer of its own (the prefix hit copied from the pool,
-exact; every later token recomputed, attending only to exact KV) and the distribution its first token
-was drawn from is compared with the full prefill's: ``KL(full || reused)`` at that position, the
-benchmark's ``KL first``. The counters give operators the guard's real record live: how many audited
-answers drifted past the bound, and the distribution of the drift.
+prefill gives. The audit measures that instead, on a share of the requests (``auto_reuse_audit_rate``).
+The engine keeps the logits rows its first ``auto_reuse_audit_tokens`` answer tokens were drawn from
+(:class:`AuditRecord`); once they are out, or the request ended (deferred with the chunk stores,
+``engine_hook.py``), the prompt and those answer tokens are computed again in full in a scratch KV
+buffer of its own (the prefix hit copied from the pool, exact; every later token recomputed, attending
+only to exact KV), and the audit's drift is ``KL(full || reused)`` at each of those positions, averaged:
+with one token (the default) the benchmark's ``KL first``, with 16 its teacher-forced ``KL mean`` (forced
+with the answer's own tokens). The counters give operators the guard's real record live: how many
+audited answers drifted past the bound, and the distribution of the drift.
 
 Invariants: the audit reads the pool and writes only its scratch buffer (the request's KV, the
 prefix cache and the segment store are unchanged); it never changes an answer; a request that the
-guard sent back to a full prefill is not audited (nothing reused was kept).
+guard sent back to a full prefill is not audited (nothing reused was kept); the blocks it reads stay
+held (``KVCacheManager.hold``) from the blend until the audit ran, even if the request ended before.
 """
 
 from __future__ import annotations
@@ -33,6 +36,22 @@ from .forward import blend_forward
 # decade and two on either side, where the guard's estimate and the measured drift are compared.
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.02, 0.03, 0.05, 0.1, 0.3, 1.0)
 MAX_TENANTS = 256
+MAX_AUDIT_TOKENS = 64  # answer tokens an audit may cover: each keeps a float32 logits row [V] until it runs
+
+
+@dataclass
+class AuditRecord:
+    """An answer chosen for the audit, while its rows are collected: ``slots`` (the prompt's, held by
+    ``held``) are exact below ``start``; ``rows``, the logits rows ``[V]`` its tokens were drawn from."""
+
+    prompt_token_ids: list[int]
+    slots: torch.Tensor
+    start: int
+    namespace: tuple
+    tenant: str | None
+    held: list
+    preemptions: int  # the request's count when chosen: once preempted, its later rows are not from reuse
+    rows: list[torch.Tensor] = field(default_factory=list)
 
 
 @dataclass
@@ -43,13 +62,15 @@ class AuditStats:
     kl_counts: list[int] = field(default_factory=lambda: [0] * (len(KL_BUCKETS) + 1))  # per bucket, +Inf last
     failed: int = 0  # audits that raised (logged; the request was not affected)
     seconds: float = 0.0  # spent auditing (on the engine's thread, between steps)
+    tokens: int = 0  # answer tokens the audits covered (audits x auto_reuse_audit_tokens, less for short answers)
     buckets: tuple[float, ...] = KL_BUCKETS
     # per tenant label (the server's, from the API key; "-": none): [audits, over the bound], at most
     # MAX_TENANTS labels, later ones counted as "other" (as cache/lens.py counts them)
     tenants: dict[str, list[int]] = field(default_factory=dict)
 
-    def add(self, kl: float, bound: float, seconds: float = 0.0, tenant: str | None = None) -> None:
+    def add(self, kl: float, bound: float, seconds: float = 0.0, tenant: str | None = None, tokens: int = 1) -> None:
         self.audits += 1
+        self.tokens += tokens
         self.seconds += seconds
         self.over_bound += kl > bound
         self.kl_sum += kl
@@ -63,19 +84,21 @@ class AuditStats:
 
 
 def kl_to_full(full_logits: torch.Tensor, reused_logits: torch.Tensor) -> float:
-    """``KL(full || reused)`` of the next-token distributions two logits rows ``[V]`` give, in nats
-    (computed in float64: the drift of interest is far above float32's rounding of a sum over V)."""
+    """``KL(full || reused)`` of the next-token distributions two logits rows ``[V]`` give, in nats,
+    or the mean over rows of two ``[k, V]`` (computed in float64: the drift of interest is far above
+    float32's rounding of a sum over V)."""
     full = torch.log_softmax(full_logits.double(), -1)
     reused = torch.log_softmax(reused_logits.double(), -1)
-    return max(0.0, float((full.exp() * (full - reused)).sum()))
+    per_row = (full.exp() * (full - reused)).sum(-1)
+    return max(0.0, float(per_row.mean()))
 
 
 @torch.inference_mode()
 def full_prefill_logits(model: LlamaForCausalLM, kv: PagedKVCache, token_ids: list[int], slots: torch.Tensor,
-                        start: int) -> torch.Tensor:
-    """The last prompt position's logits ``[V]`` as a full prefill gives them: positions below ``start``
-    (exact KV at ``slots`` in ``kv``, a prefix hit) copied into a scratch buffer, every later one
-    computed there. ``kv`` is only read."""
+                        start: int, rows: int = 1) -> torch.Tensor:
+    """The last ``rows`` positions' logits ``[rows, V]`` as a full prefill of ``token_ids`` gives them:
+    positions below ``start`` (exact KV at ``slots`` in ``kv``, a prefix hit) copied into a scratch
+    buffer, every later one computed there. ``kv`` is only read."""
     n = len(token_ids)
     bs = kv.block_size
     scratch = PagedKVCache(kv.config, -(-n // bs), bs, kv.dtype, kv.device)
@@ -85,8 +108,8 @@ def full_prefill_logits(model: LlamaForCausalLM, kv: PagedKVCache, token_ids: li
             scratch.k[layer][:start] = kv.k[layer].index_select(0, src)
             scratch.v[layer][:start] = kv.v[layer].index_select(0, src)
     out = blend_forward(model, scratch, torch.tensor(token_ids, dtype=torch.long), torch.arange(n), start,
-                        torch.zeros(n, dtype=torch.bool), torch.tensor([n - 1]), None)
-    return out.logits[-1]
+                        torch.zeros(n, dtype=torch.bool), torch.arange(n - rows, n), None)
+    return out.logits
 
 
 class ShadowAudit:
@@ -100,12 +123,14 @@ class ShadowAudit:
         """Whether to audit the next answer, at ``rate`` (0: never, 1: always; no draw at either)."""
         return rate >= 1 or (rate > 0 and self._draw.random() < rate)
 
-    def measure(self, model: LlamaForCausalLM, kv: PagedKVCache, token_ids: list[int], slots: torch.Tensor,
-                start: int, answered: torch.Tensor, bound: float, tenant: str | None = None) -> float:
-        """Audit one answer: ``answered``, the logits row ``[V]`` its first token was drawn from;
-        ``slots``, the prompt's (held), exact below ``start``; ``tenant``, its sender's label. Returns
-        the measured KL."""
+    def measure(self, model: LlamaForCausalLM, kv: PagedKVCache, record: AuditRecord, answer: list[int],
+                bound: float) -> float:
+        """Audit one answer: ``record``, its rows (at least one); ``answer``, its tokens (the first
+        ``len(record.rows) - 1`` are computed with the prompt). Returns the measured drift (mean KL)."""
         t0 = time.perf_counter()
-        kl = kl_to_full(full_prefill_logits(model, kv, token_ids, slots, start), answered)
-        self.stats.add(kl, bound, time.perf_counter() - t0, tenant)
+        k = len(record.rows)
+        ids = record.prompt_token_ids + answer[:k - 1]
+        full = full_prefill_logits(model, kv, ids, record.slots, record.start, rows=k)
+        kl = kl_to_full(full, torch.stack(record.rows).to(full.device))
+        self.stats.add(kl, bound, time.perf_counter() - t0, record.tenant, tokens=k)
         return kl

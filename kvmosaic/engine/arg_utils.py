@@ -191,10 +191,14 @@ class EngineArgs(CliArgs):
     auto_reuse_contexts: int = option(1, "auto: contexts a chunk is computed in, in full, before its KV is "
                                          "reused; its stored KV is their mean (and that of every later context "
                                          "that recomputes its tokens), which drifts less when moved", type=int)
-    auto_reuse_audit_rate: float = option(0.0, "auto: share of the requests answered from reused KV whose first "
-                                               "token's distribution is measured, once it is out, against a full "
-                                               "prefill of the prompt (KL; metrics auto_reuse_audit*; "
+    auto_reuse_audit_rate: float = option(0.0, "auto: share of the requests answered from reused KV whose answer's "
+                                               "distributions (--auto-reuse-audit-tokens) are measured, once they are "
+                                               "out, against a full prefill (KL; metrics auto_reuse_audit*; "
                                                "kvmosaic/blend/shadow.py): each costs a prefill", type=float)
+    auto_reuse_audit_tokens: int = option(1, "auto: answer tokens an audit covers: its drift is the mean KL to "
+                                             "the full prefill over the first this many (1: the first token's; "
+                                             "16: the benchmarks' KL mean); the rows are kept until then "
+                                             "(at most 64)", type=int)
     auto_reuse_audit_bound: float | None = option(None, "auto: the KL above which an audited answer counts as over "
                                                         "the bound (default: --auto-reuse-max-drift)", type=float)
     auto_reuse_audit_trip: float | None = option(None, "auto: turn automatic reuse off for 10 minutes for a namespace "

@@ -61,6 +61,7 @@ class EngineConfig(EngineArgs):
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
                              f"got {self.scheduling_policy!r}")
         from ..blend.blender import BlendOptions  # validates the segment reuse fields
+        from ..blend.shadow import MAX_AUDIT_TOKENS
 
         BlendOptions(self.segment_reuse, self.blend_ratio, self.blend_threshold, self.blend_check_layer,
                      self.blend_selection or "deviation", head=self.blend_head_tokens)
@@ -70,6 +71,9 @@ class EngineConfig(EngineArgs):
             raise ValueError(f"auto_reuse_contexts must be at least 1, got {self.auto_reuse_contexts}")
         if not 0.0 <= self.auto_reuse_audit_rate <= 1.0:  # NaN fails too
             raise ValueError(f"auto_reuse_audit_rate must be in [0, 1], got {self.auto_reuse_audit_rate}")
+        if not 1 <= self.auto_reuse_audit_tokens <= MAX_AUDIT_TOKENS:
+            raise ValueError(f"auto_reuse_audit_tokens must be in [1, {MAX_AUDIT_TOKENS}], "
+                             f"got {self.auto_reuse_audit_tokens}")
         if self.auto_reuse_audit_bound is not None and not self.auto_reuse_audit_bound >= 0:
             raise ValueError(f"auto_reuse_audit_bound must be non-negative, got {self.auto_reuse_audit_bound}")
         if self.auto_reuse_audit_trip is not None and not 0.0 <= self.auto_reuse_audit_trip < 1.0:

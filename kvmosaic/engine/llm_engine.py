@@ -323,6 +323,7 @@ class LLMEngine:
                                seq.request_id, type(exc).__name__, exc)
                 outputs.append(self._fail(seq, f"processing the output failed: {type(exc).__name__}: {exc}",
                                           "output_processing"))
+        self.segment_reuse.observe(seqs, raw)  # the shadow audit keeps the rows its answers were drawn from
         return outputs
 
     def _process_one(self, seq: Sequence, tok: int, lp: dict | None, now: float) -> RequestOutput:

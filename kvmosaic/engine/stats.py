@@ -47,6 +47,7 @@ class EngineStats:
     auto_reuse_audits_over_bound: int = 0
     auto_reuse_audits_failed: int = 0
     auto_reuse_audit_seconds: float = 0.0
+    auto_reuse_audited_tokens: int = 0  # answer tokens the audits covered (--auto-reuse-audit-tokens each, at most)
     auto_reuse_audit_kl: dict = field(default_factory=dict)
     auto_reuse_audit_tenants: dict = field(default_factory=dict)  # tenant label -> {"audits", "over_bound"}
     # The breaker (blend/breaker.py): namespaces it turned automatic reuse off for, ever and now.
@@ -130,6 +131,7 @@ def audit_stats(st) -> dict:
         return {}
     return {"auto_reuse_audits": st.audits, "auto_reuse_audits_over_bound": st.over_bound,
             "auto_reuse_audits_failed": st.failed, "auto_reuse_audit_seconds": st.seconds,
+            "auto_reuse_audited_tokens": st.tokens,
             "auto_reuse_audit_kl": {"buckets": list(st.buckets), "counts": list(st.kl_counts), "sum": st.kl_sum},
             "auto_reuse_audit_tenants": {t: {"audits": a, "over_bound": o} for t, (a, o) in st.tenants.items()}}
 

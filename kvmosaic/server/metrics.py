@@ -28,8 +28,8 @@ backends), ``kvmosaic:kv_events_dropped_total`` and ``kvmosaic:fair_share_antici
 ``_hits_total`` / ``_held_seconds_total`` (engine/anticipation.py); automatic reuse's
 ``kvmosaic:auto_reuse_requests_total`` / ``_tokens_total`` / ``_fallbacks_total`` / ``_repairs_total`` /
 ``_repaired_tokens_total`` and its shadow audit's ``kvmosaic:auto_reuse_audits_total`` /
-``_audits_over_bound_total`` / ``_audits_failed_total`` / ``_audit_seconds_total`` / ``_audit_trips_total``, the
-histogram ``kvmosaic:auto_reuse_audit_kl``, per tenant ``kvmosaic:tenant_auto_reuse_audits_total`` /
+``_audits_over_bound_total`` / ``_audits_failed_total`` / ``_audit_seconds_total`` / ``_audited_tokens_total`` /
+``_audit_trips_total``, the histogram ``kvmosaic:auto_reuse_audit_kl``, per tenant ``kvmosaic:tenant_auto_reuse_audits_total`` /
 ``_audits_over_bound_total`` and the gauge ``kvmosaic:auto_reuse_namespaces_off``.
 Counters and gauges are read at scrape time from a snapshot the engine thread takes for that scrape, so
 they cannot drift from what the engine counts.
@@ -170,6 +170,8 @@ def audit_metrics(st: EngineStats, model_name: str) -> Iterator[Metric]:
              st.auto_reuse_audits_failed),
             ("auto_reuse_audit_seconds", "Seconds the engine spent auditing (between steps).",
              st.auto_reuse_audit_seconds),
+            ("auto_reuse_audited_tokens", "Answer tokens those audits covered (--auto-reuse-audit-tokens each, "
+                                          "fewer for shorter answers).", st.auto_reuse_audited_tokens),
             ("auto_reuse_audit_trips", "Times a namespace's audited answers drifted over the bound often enough "
                                        "to turn its automatic reuse off (--auto-reuse-audit-trip).",
              st.auto_reuse_audit_trips)):
@@ -191,8 +193,9 @@ def audit_metrics(st: EngineStats, model_name: str) -> Iterator[Metric]:
     kl = st.auto_reuse_audit_kl
     if not kl:
         return
-    h = HistogramMetricFamily(PREFIX + "auto_reuse_audit_kl", "KL from a full prefill's next-token distribution "
-                              "to the one an audited answer's first token was drawn from (nats).",
+    h = HistogramMetricFamily(PREFIX + "auto_reuse_audit_kl", "KL from a full prefill's next-token distributions "
+                              "to the ones an audited answer's tokens were drawn from, the mean over its first "
+                              "--auto-reuse-audit-tokens (nats).",
                               labels=["model_name"])
     h.add_metric([model_name], cumulative(kl["buckets"], kl["counts"]), kl["sum"])
     yield h
