@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvmosaic.serve.dashboard_merge import merge_states
 
 
@@ -30,3 +32,23 @@ def test_merge_sums_and_labels_by_replica():
                                "blocks_held": 4, "hit_rate": 50 / 150}]
     assert [(p["id"], p["parent"], p["replica"]) for p in got["prefixes"]] == [(0, None, "r1"), (1, 0, "r1"), (2, None, "r2")]
     assert got["replicas"]["r2"]["queries"] == 50 and got["routes"][0]["replica"] == "r2"
+
+
+def auto(requests: int, audits: int, over: int, counts: list[int], tenant: str) -> dict:
+    return {"requests": requests, "tokens": 100 * requests, "fallbacks": 0, "repairs": 1, "audits": audits,
+            "over_bound": over, "failed": 0, "audited_tokens": 16 * audits, "trips": 0, "namespaces_off": over > 1,
+            "kl": {"buckets": [0.01, 0.03], "counts": counts, "sum": 0.02 * audits},
+            "tenants": {tenant: {"audits": audits, "over_bound": over}},
+            "bound": 0.03, "audit_rate": 1.0, "audit_tokens": 16}
+
+
+def test_automatic_reuse_is_summed_over_the_replicas_that_run_it():
+    r1, r2 = state(10, 0, "ff", "t-a", 0), state(10, 0, "ff", "t-b", 0)
+    assert merge_states({"r1": r1, "r2": r2})["auto_reuse"] is None  # no replica runs it (older states: no key)
+    r1["auto_reuse"], r2["auto_reuse"] = auto(3, 3, 1, [1, 1, 1], "t-a"), auto(4, 2, 2, [0, 0, 2], "t-b")
+    got = merge_states({"r1": r1, "r2": r2})["auto_reuse"]
+    assert (got["requests"], got["tokens"], got["audits"], got["over_bound"], got["audited_tokens"]) == (7, 700, 5, 3, 80)
+    assert got["namespaces_off"] == 1 and got["repairs"] == 2
+    assert got["kl"] == {"buckets": [0.01, 0.03], "counts": [1, 1, 3], "sum": pytest.approx(0.1)}
+    assert got["tenants"] == {"t-a": {"audits": 3, "over_bound": 1}, "t-b": {"audits": 2, "over_bound": 2}}
+    assert (got["bound"], got["audit_rate"], got["audit_tokens"]) == (0.03, 1.0, 16)

@@ -7,6 +7,7 @@ replica that holds their chunks."""
 from __future__ import annotations
 
 import json
+import os
 
 import httpx
 import pytest
@@ -24,6 +25,8 @@ DOCS = [
     "plum cake whose recipe the owner's grandmother brought from the mountains ninety years ago.",
 ]
 KEYS = {"a": {"Authorization": "Bearer key-a"}, "b": {"Authorization": "Bearer key-b"}}
+ADMIN = {"Authorization": "Bearer admin-key"}
+CHROMIUM = "/usr/bin/chromium"
 
 
 @pytest.fixture(scope="module", params=[None, 2], ids=["one-process", "replicas-2"])
@@ -115,3 +118,37 @@ def test_the_audit_finds_no_cross_tenant_reuse_away_from_the_prefix(server, requ
         assert own.cached_leak and own.cached_true > 0  # the same tenant: found by auto reuse
     other = audit("key-b")
     assert not other.cached_leak and other.cached_true == 0
+
+
+def test_the_explorer_shows_automatic_reuse_as_the_metrics_count_it(server, request):
+    """``/dashboard/state`` (one process, or merged over the replicas) carries automatic reuse's figures
+    and its audit's record, equal to ``/metrics``; in a real browser the page shows them."""
+    chat(server, DOCS)
+    chat(server, DOCS[2:] + DOCS[:2])
+    state = httpx.get(server.url + "/dashboard/state", headers=ADMIN, timeout=30).json()
+    a = state["auto_reuse"]
+    assert a["requests"] == metric(server, "kvmosaic:auto_reuse_requests_total") >= 1
+    assert a["tokens"] == metric(server, "kvmosaic:auto_reuse_tokens_total")
+    assert a["fallbacks"] == metric(server, "kvmosaic:auto_reuse_fallbacks_total")
+    assert a["audits"] == metric(server, "kvmosaic:auto_reuse_audits_total") == a["requests"]
+    assert a["over_bound"] == metric(server, "kvmosaic:auto_reuse_audits_over_bound_total")
+    assert a["audited_tokens"] == metric(server, "kvmosaic:auto_reuse_audited_tokens_total")
+    assert sum(a["kl"]["counts"]) == a["audits"]
+    assert a["kl"]["sum"] == pytest.approx(metric(server, "kvmosaic:auto_reuse_audit_kl_sum"), rel=1e-6)
+    assert sum(f["audits"] for f in a["tenants"].values()) == a["audits"] and len(a["tenants"]) == 1
+    assert (a["bound"], a["audit_rate"], a["audit_tokens"]) == (0.2, 1.0, 3)
+    if "replicas" in request.node.callspec.id or not os.path.exists(CHROMIUM):
+        return
+    sync_api = pytest.importorskip("playwright.sync_api")
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_context(extra_http_headers=ADMIN).new_page()
+            assert page.goto(server.url + "/dashboard").status == 200
+            page.wait_for_function("Number(document.body.dataset.polls) >= 1", timeout=20_000)
+            assert page.locator("#auto-section").is_visible()
+            assert float(page.locator("#auto-audits").inner_text().replace(",", "")) == a["audits"]
+            assert float(page.locator("#auto-requests").inner_text().replace(",", "")) == a["requests"]
+            assert page.locator("#auto-tenant-table tbody tr").count() == 1
+        finally:
+            browser.close()

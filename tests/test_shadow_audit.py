@@ -193,6 +193,32 @@ def test_an_aborted_answer_is_audited_on_its_rows_and_gives_its_blocks_back(llm)
     assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending and not e.has_unfinished_requests()
 
 
+def test_a_preempted_answer_is_audited_on_the_rows_it_drew_from_reused_kv(llm):
+    """Preempted (as under memory pressure), a request's KV is recomputed by an ordinary prefill: its later
+    tokens are not drawn from reused KV, so its audit covers the rows before; it finishes as usual."""
+    e = llm.engine
+    e.config.auto_reuse_audit_tokens = 16
+    try:
+        reused(llm)
+        assert e.reset_prefix_cache()
+        before = e.get_stats()
+        seq = e.add_request(text(DOCS[2:] + DOCS[:2]), SamplingParams(max_tokens=8, temperature=0))
+        while len(seq.output_token_ids) < 2:
+            e.step()
+        assert seq.num_auto_tokens > 0
+        e.scheduler._preempt(seq)
+        while e.has_unfinished_requests():
+            e.step()
+        e.finish_pending()
+        st = e.get_stats()
+    finally:
+        e.config.auto_reuse_audit_tokens = 1
+    assert seq.finish_reason == "length" and len(seq.output_token_ids) == 8 and seq.num_preemptions == 1
+    assert st.auto_reuse_audits == before.auto_reuse_audits + 1
+    assert st.auto_reuse_audited_tokens == before.auto_reuse_audited_tokens + 2
+    assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending
+
+
 def test_the_options_are_checked():
     for bad in ({"auto_reuse_audit_rate": 1.5}, {"auto_reuse_audit_rate": float("nan")},
                 {"auto_reuse_audit_tokens": 0}, {"auto_reuse_audit_tokens": 65},

@@ -12,6 +12,27 @@ from __future__ import annotations
 from ..server.metrics_cache import hit_rate
 
 SUMMED = ("queries", "hits", "tier_tokens", "evictions", "prompt_tokens", "generation_tokens")
+AUTO_SUMMED = ("requests", "tokens", "fallbacks", "repairs", "audits", "over_bound", "failed", "audited_tokens",
+               "trips", "namespaces_off")
+
+
+def merge_auto_reuse(parts: list[dict | None]) -> dict | None:
+    """Automatic reuse's figures (``dashboard_state.auto_reuse_figures``) summed over the replicas that
+    run it; its settings are the first's (every replica gets the same engine arguments)."""
+    parts = [p for p in parts if p is not None]
+    if not parts:
+        return None
+    out = {**parts[0], **{k: sum(p[k] for p in parts) for k in AUTO_SUMMED}}
+    out["kl"] = {"buckets": parts[0]["kl"]["buckets"], "sum": sum(p["kl"]["sum"] for p in parts),
+                 "counts": [sum(c) for c in zip(*(p["kl"]["counts"] for p in parts))]}
+    tenants: dict[str, dict] = {}
+    for p in parts:
+        for label, fig in p["tenants"].items():
+            acc = tenants.setdefault(label, {"audits": 0, "over_bound": 0})
+            acc["audits"] += fig["audits"]
+            acc["over_bound"] += fig["over_bound"]
+    out["tenants"] = tenants
+    return out
 
 
 def merge_states(states: dict[str, dict], routes: list[dict] | None = None) -> dict:
@@ -55,6 +76,7 @@ def merge_states(states: dict[str, dict], routes: list[dict] | None = None) -> d
         "counters": counters, "kv": kv,
         "tenants": sorted(tenants.values(), key=lambda t: -t["queries"]),
         "prefixes": prefixes, "tiers": tiers,
+        "auto_reuse": merge_auto_reuse([s.get("auto_reuse") for s in states.values()]),
         "replicas": {rid: {"running": s["requests"]["running"], "waiting": s["requests"]["waiting"],
                            "queries": s["counters"]["queries"], "hits": s["counters"]["hits"],
                            "cached_blocks": s["kv"]["num_cached_blocks"], "prefixes": len(s["prefixes"])}

@@ -11,13 +11,18 @@ the ones ``/metrics`` reports from the same kind of snapshot).
   last_use_s, tenant}`` — the radix tree's nodes, or the hash chains' runs of blocks with one
   child each; the busiest ``max_nodes`` by recency. ``text`` (at most 64 tokens a node) only
   when the server runs with ``--dashboard-show-text``;
-* ``tiers``: per storage tier, fill, hit tokens and load latency.
+* ``tiers``: per storage tier, fill, hit tokens and load latency;
+* ``auto_reuse`` (``--segment-reuse auto``, else null): answers from automatically reused KV and
+  what the guard did, and the shadow audit's record (docs/ARCHITECTURE.md, "Automatic segment
+  reuse"): audits, those over the bound, the measured drift's histogram, per tenant, and the
+  namespaces whose reuse the breaker turned off — the figures ``/metrics`` reports.
 """
 
 from __future__ import annotations
 
 import time
 
+from ..blend.shadow import KL_BUCKETS
 from .metrics_cache import hit_rate, top_tenants
 
 TEXT_TOKENS = 64
@@ -108,6 +113,21 @@ def tier_figures(stats) -> list[dict]:
     return out
 
 
+def auto_reuse_figures(config, stats) -> dict | None:
+    """Automatic reuse's counters and its audit's record (``EngineStats``), or None when the mode is off."""
+    if config.segment_reuse != "auto":
+        return None
+    bound = config.auto_reuse_audit_bound if config.auto_reuse_audit_bound is not None else config.auto_reuse_max_drift
+    kl = stats.auto_reuse_audit_kl or {"buckets": list(KL_BUCKETS), "counts": [0] * (len(KL_BUCKETS) + 1), "sum": 0.0}
+    return {"requests": stats.auto_reuse_requests, "tokens": stats.auto_reuse_tokens,
+            "fallbacks": stats.auto_reuse_fallbacks, "repairs": stats.auto_reuse_repairs,
+            "audits": stats.auto_reuse_audits, "over_bound": stats.auto_reuse_audits_over_bound,
+            "failed": stats.auto_reuse_audits_failed, "audited_tokens": stats.auto_reuse_audited_tokens,
+            "trips": stats.auto_reuse_audit_trips, "namespaces_off": stats.auto_reuse_namespaces_off,
+            "kl": kl, "tenants": dict(stats.auto_reuse_audit_tenants or {}),
+            "bound": bound, "audit_rate": config.auto_reuse_audit_rate, "audit_tokens": config.auto_reuse_audit_tokens}
+
+
 def cache_state(engine, show_text: bool = False, top_n: int = 10, max_nodes: int = 300) -> dict:
     """Runs on the engine thread (``AsyncEngine.call``): the stats snapshot and the cache's
     contents of one moment. ``engine`` is the :class:`~kvmosaic.engine.llm_engine.LLMEngine`."""
@@ -141,4 +161,5 @@ def cache_state(engine, show_text: bool = False, top_n: int = 10, max_nodes: int
         "prefixes": prefixes,
         "show_text": show_text,
         "tiers": tier_figures(stats),
+        "auto_reuse": auto_reuse_figures(engine.config, stats),
     }
