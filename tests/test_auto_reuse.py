@@ -118,6 +118,33 @@ def test_guard_falls_back_to_full_prefill_when_a_blend_ends_above_the_bound(llm,
     torch.testing.assert_close(logprobs(out), logprobs(ref), atol=1e-4, rtol=0)
 
 
+def test_a_request_tightens_the_guard_for_itself_and_may_ask_for_an_exact_prefill(llm, plain):
+    """``SamplingParams.extra_args["auto_reuse_max_drift"]`` (vLLM's custom arguments; ``vllm_xargs`` in a
+    body): this request's bound, at most the engine's; 0 is an ordinary, exact prefill."""
+    def ask(own, engine_bound=10.0):
+        llm.engine.segment_reuse.store.clear()
+        run(llm, text(DOCS))
+        llm.engine.config.auto_reuse_max_drift = engine_bound
+        assert llm.engine.reset_prefix_cache()
+        return llm.generate(text(DOCS[::-1]), dataclasses.replace(GREEDY, extra_args={"auto_reuse_max_drift": own}))[0]
+
+    free = ask(10.0).auto_reuse
+    assert free["repaired"] == 0 and free["drift"] > 0
+    tight = ask(free["drift"] * 0.5).auto_reuse  # under the engine's 10: the request's bound holds
+    assert tight["repaired"] > 0 and tight["drift"] <= free["drift"] * 0.5
+    assert ask(10.0, engine_bound=free["drift"] * 0.5).auto_reuse == tight  # never above the engine's
+    lookups = llm.engine.get_stats().auto_reuse_requests
+    exact = ask(0)
+    assert exact.auto_reuse == {"tokens": 0, "drift": None, "fallback": False, "repaired": 0}
+    assert llm.engine.get_stats().auto_reuse_requests == lookups  # not looked up, not blended
+    assert plain.engine.reset_prefix_cache()
+    ref = plain.generate(text(DOCS[::-1]), GREEDY)[0]
+    assert exact.token_ids == ref.token_ids and exact.logprobs == ref.logprobs  # bit-identical
+    for bad in (-0.1, float("nan"), True, "0.1"):
+        with pytest.raises(ValueError, match="auto_reuse_max_drift"):
+            SamplingParams(extra_args={"auto_reuse_max_drift": bad})
+
+
 def test_auto_on_without_hits_equals_off_bit_for_bit(llm, plain):
     """Prompts with nothing to find, and exact prefix hits, are ordinary prefills in auto mode."""
     llm.engine.segment_reuse.store.clear()

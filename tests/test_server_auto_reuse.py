@@ -41,9 +41,9 @@ def server(request):
         yield proc
 
 
-def chat(server, docs, key="a") -> dict:
+def chat(server, docs, key="a", **extra) -> dict:
     content = "Answer from these documents.\n\n" + "\n\n".join(docs) + "\n\nWhen was the lighthouse built?"
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0.0}
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0.0, **extra}
     r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=KEYS[key], timeout=120)
     assert r.status_code == 200, r.text
     return r.json()["usage"]["prompt_tokens_details"]
@@ -152,3 +152,21 @@ def test_the_explorer_shows_automatic_reuse_as_the_metrics_count_it(server, requ
             assert page.locator("#auto-tenant-table tbody tr").count() == 1
         finally:
             browser.close()
+
+
+def test_a_request_bounds_its_own_drift_through_vllm_xargs(server):
+    """vLLM's custom arguments: ``vllm_xargs.auto_reuse_max_drift`` 0 makes this request an exact prefill
+    (nothing reused, though its chunks are stored); a bad value is a 400 naming it; keys this server does
+    not read are carried, as vLLM carries them."""
+    chat(server, DOCS)
+    a, b, c = DOCS
+    looked_up = metric(server, "kvmosaic:auto_reuse_requests_total")
+    exact = chat(server, [a, c, b], vllm_xargs={"auto_reuse_max_drift": 0, "my_plugin_arg": [1, "x"]})
+    assert exact["auto_reused_tokens"] == 0 and exact["auto_reuse_drift"] is None
+    assert metric(server, "kvmosaic:auto_reuse_requests_total") == looked_up
+    assert chat(server, [b, a, c])["auto_reused_tokens"] > 60  # another order, under the server's bound
+    for bad in (-1, "0.1", True, {"x": 1}):
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "vllm_xargs": {"auto_reuse_max_drift": bad}}
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, headers=KEYS["a"], timeout=60)
+        assert r.status_code == 400 and "auto_reuse_max_drift" in r.text, (bad, r.text)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 import torch
@@ -97,6 +98,12 @@ class SegmentReuse:
                             floor=auto_floor(self.kv.dtype) if auto else 0.0, head=c.blend_head_tokens,
                             max_drift=c.auto_reuse_max_drift if auto else None)
 
+    def max_drift(self, seq) -> float:
+        """The guard's bound for ``seq``: the engine's ``auto_reuse_max_drift``, or the request's own
+        (``SamplingParams.extra_args``) where lower."""
+        own = seq.params.auto_reuse_max_drift
+        return self.config.auto_reuse_max_drift if own is None else min(own, self.config.auto_reuse_max_drift)
+
     def _auto_candidate(self, s, cache) -> bool:
         """Auto mode, on the step that admits an unmarked prompt: look its chunks up once."""
         seq = s.seq
@@ -105,6 +112,8 @@ class SegmentReuse:
         seq.auto_checked = True
         if self.breaker.off((seq.cache_salt, seq.adapter_id)):
             return False  # its audited answers drifted: ordinary prefills for a while (breaker.py)
+        if seq.params.auto_reuse_max_drift == 0:
+            return False  # the request asked for an exact prefill
         start = seq.num_computed_tokens
         spans = self.auto.plan(seq.all_token_ids, start, seq.cache_salt, seq.adapter_id)
         if spans is None or cache.allocate_slots(seq, seq.num_tokens) is None:
@@ -234,8 +243,10 @@ class SegmentReuse:
         start = seq.num_computed_tokens
         if seq.auto_spans is not None:
             spans, seq.auto_spans = seq.auto_spans, None
-            res = self.auto.prefill(seq.all_token_ids, spans, slots, start, opts, self.config.auto_reuse_max_drift,
-                                    seq.cache_salt, seq.adapter_id)
+            bound = self.max_drift(seq)
+            if opts.max_drift is not None:  # the repair's target: this request's bound
+                opts = replace(opts, max_drift=bound)
+            res = self.auto.prefill(seq.all_token_ids, spans, slots, start, opts, bound, seq.cache_salt, seq.adapter_id)
             seq.num_auto_tokens, seq.auto_drift, seq.auto_fallback = res.num_reused_tokens, res.drift, res.fell_back
             seq.num_auto_repaired = res.num_repaired_tokens
             self._defer(cache, seq.request_id, partial(self.auto.harvest, seq.prompt_token_ids, slots, seq.cache_salt,

@@ -89,6 +89,11 @@ class SamplingParams:
     # regex, a choice, a grammar too). At most one of the two; None: free text.
     json_schema: dict | str | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's custom arguments (a request body's ``vllm_xargs``): carried with the request for extensions.
+    # This engine reads one: ``auto_reuse_max_drift``, a number >= 0 that bounds the automatic-reuse
+    # guard's drift estimate for this request below the engine's ``auto_reuse_max_drift`` (never above
+    # it); 0: no automatic reuse for it, an exact prefill (blend/engine_hook.py).
+    extra_args: dict | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -131,6 +136,13 @@ class SamplingParams:
                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _check(self.json_schema is None or self.structured_outputs is None,
                "give json_schema or structured_outputs, not both")
+        _check(self.extra_args is None or (isinstance(self.extra_args, dict)
+                                           and all(isinstance(k, str) for k in self.extra_args)),
+               "extra_args must map names to values")
+        drift = (self.extra_args or {}).get("auto_reuse_max_drift")
+        _check(drift is None or (isinstance(drift, (int, float)) and not isinstance(drift, bool)
+                                 and math.isfinite(drift) and drift >= 0),
+               f"auto_reuse_max_drift must be a number >= 0, got {drift!r}")
 
     @property
     def grammar(self) -> StructuredOutputs | None:
@@ -144,6 +156,12 @@ class SamplingParams:
         """Whether any logits processor has work for this request (logits_processors.py)."""
         return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
                 or bool(self.logit_bias) or self.min_tokens > 0 or bool(self.allowed_token_ids))
+
+    @property
+    def auto_reuse_max_drift(self) -> float | None:
+        """This request's own bound on automatic reuse's drift estimate (``extra_args``), or None."""
+        drift = (self.extra_args or {}).get("auto_reuse_max_drift")
+        return None if drift is None else float(drift)
 
     @property
     def greedy(self) -> bool:

@@ -52,7 +52,8 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, num_prompt: int
             min_tokens=req.min_tokens, skip_special_tokens=req.skip_special_tokens,
             prompt_logprobs=prompt_logprobs_of(req, logprobs),
             json_schema=req.response_format.output_schema if req.response_format is not None else None,
-            structured_outputs=req.structured_outputs.spec if req.structured_outputs is not None else None)
+            structured_outputs=req.structured_outputs.spec if req.structured_outputs is not None else None,
+            extra_args=dict(req.vllm_xargs) if req.vllm_xargs is not None else None)
     except ValueError as e:
         raise APIError(400, str(e)) from None
 

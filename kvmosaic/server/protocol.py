@@ -31,6 +31,7 @@ prompts per request    64         ``/v1/completions``'s list of prompts; with ``
 ``n``                  64         samples per prompt (``SamplingParams``' ``MAX_N``)
 ``metadata``           16         pairs (OpenAI's limit), keys 64 and values 512 characters
 ``chat_template_kwargs`` 64       keys (``MAX_FIELDS``)
+``vllm_xargs``         64         keys of at most 64 characters; a list value at most 64 items
 ``messages``           4,096      messages per chat
 content parts          256        ``{"type": "text"}`` parts per message
 ``segments``           64         segments per prompt (``MAX_SEGMENTS``)
@@ -150,6 +151,11 @@ class SamplingFields(StrictModel):
     truncate_prompt_tokens: Annotated[int, Field(ge=-1)] | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None  # vLLM's (server/params.py)
+    # vLLM's custom arguments, carried to SamplingParams.extra_args; read here: auto_reuse_max_drift
+    # (a number >= 0: this request's bound on automatic reuse's drift estimate, engine/sampling_params.py)
+    vllm_xargs: Annotated[dict[Annotated[str, Field(max_length=64)],
+                               str | int | float | Annotated[list[str | int | float], Field(max_length=MAX_FIELDS)]],
+                          Field(max_length=MAX_FIELDS)] | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
