@@ -105,7 +105,7 @@ def test_a_failed_audit_is_counted_and_costs_nothing_else(llm, monkeypatch, capl
     def broken(*args, **kwargs):
         raise RuntimeError("no memory for the scratch buffer")
 
-    monkeypatch.setattr(shadow, "full_prefill_logits", broken)
+    monkeypatch.setattr(shadow, "prefill_piece", broken)
     before = llm.engine.get_stats()
     _, out = reused(llm)
     st = llm.engine.get_stats()
@@ -217,6 +217,57 @@ def test_a_preempted_answer_is_audited_on_the_rows_it_drew_from_reused_kv(llm):
     assert st.auto_reuse_audits == before.auto_reuse_audits + 1
     assert st.auto_reuse_audited_tokens == before.auto_reuse_audited_tokens + 2
     assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending
+
+
+def audit_beside_a_stream(llm, monkeypatch, allowance):
+    """The documents reordered, audited while another request decodes, under a prefill allowance beside
+    decodes (engine/pace.py; None: no stall target): the audit's KL and its pieces, as
+    (positions computed, forward passes the engine had run before it)."""
+    e, sr = llm.engine, llm.engine.segment_reuse
+    sr.store.clear()
+    assert e.reset_prefix_cache()
+    llm.generate(text(DOCS), GREEDY)
+    assert e.reset_prefix_cache()
+    steps, pieces = [0], []
+    stepped, piece = sr.stepped, shadow.prefill_piece
+
+    def count_step():
+        steps[0] += 1
+        stepped()
+
+    def record_piece(model, job, budget):
+        before = job.done
+        out = piece(model, job, budget)
+        pieces.append((job.done - before, steps[0]))
+        return out
+
+    monkeypatch.setattr(sr, "stepped", count_step)
+    monkeypatch.setattr(shadow, "prefill_piece", record_piece)
+    monkeypatch.setattr(e.scheduler.pace, "allowance", lambda: allowance)
+    stream = e.add_request("Count slowly from one to fifty:", SamplingParams(max_tokens=60, temperature=0, ignore_eos=True))
+    while not stream.output_token_ids:
+        e.step()
+    before = e.get_stats()
+    seq = e.add_request(text(DOCS[::-1]), SamplingParams(max_tokens=2, temperature=0))
+    while e.has_unfinished_requests():
+        e.step()
+    e.finish_pending()
+    after = e.get_stats()
+    assert seq.num_auto_tokens > 0 and after.auto_reuse_audits == before.auto_reuse_audits + 1
+    monkeypatch.undo()
+    return after.auto_reuse_audit_kl["sum"] - before.auto_reuse_audit_kl.get("sum", 0.0), pieces
+
+
+def test_an_audit_beside_decoding_streams_runs_in_pieces_between_steps(llm, monkeypatch):
+    """A stream decoding beside an audit waits at most one piece of the allowance for it per step (the
+    audit's full prefill is chunked like any prompt's), and the audit measures what it measures whole."""
+    whole_kl, whole = audit_beside_a_stream(llm, monkeypatch, None)
+    assert len(whole) == 1
+    kl, pieces = audit_beside_a_stream(llm, monkeypatch, 32)
+    assert len(pieces) >= 4 and sum(n for n, _ in pieces) == sum(n for n, _ in whole)
+    assert all(n <= 32 for n, _ in pieces[:-1]) and pieces[-1][0] <= 32 + 1
+    assert all(a[1] < b[1] for a, b in zip(pieces, pieces[1:]))  # a forward pass between any two pieces
+    assert kl == pytest.approx(whole_kl, rel=1e-3, abs=1e-7) and kl > 1e-5
 
 
 def test_the_options_are_checked():

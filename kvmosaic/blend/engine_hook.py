@@ -69,6 +69,7 @@ class SegmentReuse:
         self._pending: list[tuple[Callable[[], object], list]] = []  # (store work, the blocks it holds)
         self.audit, self.breaker = ShadowAudit(), DriftBreaker()
         self._auditing: dict[str, tuple[object, AuditRecord]] = {}  # request id -> (sequence, its rows so far)
+        self._piece_ran = False  # an audit piece ran since the last step's forward pass
 
     @property
     def auto(self) -> AutoReuse | None:
@@ -178,7 +179,7 @@ class SegmentReuse:
 
     @property
     def has_pending(self) -> bool:
-        return bool(self._pending or self._auditing)
+        return bool(self._pending or self._auditing or self.audit.jobs)
 
     def observe(self, seqs: list, raw: torch.Tensor) -> None:
         """After a step's tokens were sampled and processed: keep the raw logits row (before any
@@ -202,13 +203,15 @@ class SegmentReuse:
         if not record.rows:  # it ended before its first token: nothing to measure
             self._pending.append((lambda: None, record.held))
             return
-        self._pending.append((partial(self._audit_one, record, list(seq.output_token_ids)), record.held))
+        self._pending.append((partial(self._begin_audit, record, list(seq.output_token_ids)), record.held))
 
-    def finish_pending(self, cache) -> None:
+    def finish_pending(self, cache, audit_budget: int | None = None) -> None:
         """Run the stores deferred by the steps before (module docstring), then drop the references
         that kept their KV in place. A failure costs the store those chunks, never a request. An
         audited request that ended (aborted, failed) or was preempted before its rows were all kept
-        is audited on the rows it has."""
+        is audited on the rows it has. Then the audits under way advance: with ``audit_budget`` (the
+        prompt tokens a step may compute beside the requests decoding, engine/pace.py), one piece of
+        at most that many positions between two steps (:meth:`stepped`); with None, all to their end."""
         for rid, (seq, record) in list(self._auditing.items()):
             if seq.finish_reason is not None or seq.num_preemptions != record.preemptions:
                 self._close_audit(rid)
@@ -220,22 +223,35 @@ class SegmentReuse:
                 logger.exception("storing the chunks of a prompt failed")
             finally:
                 cache.release(held)
+        if self.audit.jobs and (audit_budget is None or not self._piece_ran):
+            self._piece_ran = audit_budget is not None
+            self._judge(self.audit.advance(self.blender.model, audit_budget, self.audit_bound))
 
-    def _audit_one(self, record: AuditRecord, answer: list[int]) -> None:
-        """One shadow audit (``shadow.py``) and its verdict to the breaker (``breaker.py``); a failed
-        audit is counted and logged, and costs nothing else."""
+    def stepped(self) -> None:
+        """A step's forward pass ran: the audits under way may take their next piece."""
+        self._piece_ran = False
+
+    @property
+    def audit_bound(self) -> float:
         c = self.config
-        bound = c.auto_reuse_audit_bound if c.auto_reuse_audit_bound is not None else c.auto_reuse_max_drift
+        return c.auto_reuse_audit_bound if c.auto_reuse_audit_bound is not None else c.auto_reuse_max_drift
+
+    def _begin_audit(self, record: AuditRecord, answer: list[int]) -> None:
+        """Start one shadow audit (``shadow.py``); a failure is counted and logged, and costs nothing else."""
         try:
-            kl = self.audit.measure(self.blender.model, self.kv, record, answer, bound)
+            self.audit.begin(self.kv, record, answer)
         except Exception:  # noqa: BLE001 - an audit observes; it must not fail a step
             self.audit.stats.failed += 1
             logger.exception("auditing an answer from reused KV failed")
-            return
-        if self.breaker.record(record.namespace, kl > bound, c.auto_reuse_audit_trip):
-            logger.warning("automatic reuse off for a namespace of tenant %s for %.0f s: more than %.0f%% of its last "
-                           "audited answers drifted over the bound %g", record.tenant or "-", TRIP_HOLD_S,
-                           100 * c.auto_reuse_audit_trip, bound)
+
+    def _judge(self, finished: list) -> None:
+        """The completed audits' verdicts to the breaker (``breaker.py``)."""
+        c, bound = self.config, self.audit_bound
+        for job, kl in finished:
+            if self.breaker.record(job.record.namespace, kl > bound, c.auto_reuse_audit_trip):
+                logger.warning("automatic reuse off for a namespace of tenant %s for %.0f s: more than %.0f%% of its "
+                               "last audited answers drifted over the bound %g", job.record.tenant or "-", TRIP_HOLD_S,
+                               100 * c.auto_reuse_audit_trip, bound)
 
     def _blend_one(self, s, cache, opts: BlendOptions) -> torch.Tensor:
         seq = s.seq

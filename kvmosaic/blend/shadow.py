@@ -8,7 +8,8 @@ The engine keeps the logits rows its first ``auto_reuse_audit_tokens`` answer to
 (:class:`AuditRecord`); once they are out, or the request ended (deferred with the chunk stores,
 ``engine_hook.py``), the prompt and those answer tokens are computed again in full in a scratch KV
 buffer of its own (the prefix hit copied from the pool, exact; every later token recomputed, attending
-only to exact KV), and the audit's drift is ``KL(full || reused)`` at each of those positions, averaged:
+only to exact KV) — a chunked prefill, one piece between two steps while other requests decode (at most
+the prefill allowance beside decodes, engine/pace.py: :class:`AuditJob`) — and the audit's drift is ``KL(full || reused)`` at each of those positions, averaged:
 with one token (the default) the benchmark's ``KL first``, with 16 its teacher-forced ``KL mean`` (forced
 with the answer's own tokens). The counters give operators the guard's real record live: how many
 audited answers drifted past the bound, and the distribution of the drift.
@@ -16,13 +17,16 @@ audited answers drifted past the bound, and the distribution of the drift.
 Invariants: the audit reads the pool and writes only its scratch buffer (the request's KV, the
 prefix cache and the segment store are unchanged); it never changes an answer; a request that the
 guard sent back to a full prefill is not audited (nothing reused was kept); the blocks it reads stay
-held (``KVCacheManager.hold``) from the blend until the audit ran, even if the request ended before.
+held (``KVCacheManager.hold``) from the blend until the audit began (:meth:`ShadowAudit.begin` copies
+the prefix hit), even if the request ended before.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +38,7 @@ from .forward import blend_forward
 
 # Upper bounds of the drift histogram's buckets (KL in nats; +Inf is implied): about the bound's
 # decade and two on either side, where the guard's estimate and the measured drift are compared.
+logger = logging.getLogger("kvmosaic.blend")
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.02, 0.03, 0.05, 0.1, 0.3, 1.0)
 MAX_TENANTS = 256
 MAX_AUDIT_TOKENS = 64  # answer tokens an audit may cover: each keeps a float32 logits row [V] until it runs
@@ -93,13 +98,21 @@ def kl_to_full(full_logits: torch.Tensor, reused_logits: torch.Tensor) -> float:
     return max(0.0, float(per_row.mean()))
 
 
-@torch.inference_mode()
-def full_prefill_logits(model: LlamaForCausalLM, kv: PagedKVCache, token_ids: list[int], slots: torch.Tensor,
-                        start: int, rows: int = 1) -> torch.Tensor:
-    """The last ``rows`` positions' logits ``[rows, V]`` as a full prefill of ``token_ids`` gives them:
-    positions below ``start`` (exact KV at ``slots`` in ``kv``, a prefix hit) copied into a scratch
-    buffer, every later one computed there. ``kv`` is only read."""
-    n = len(token_ids)
+@dataclass
+class AuditJob:
+    """An audit under way: the full prefill of ``token_ids`` (the prompt and the answer's tokens before
+    its last row) computed into ``scratch`` a piece at a time; positions below ``done`` hold exact KV."""
+
+    record: AuditRecord
+    token_ids: list[int]
+    scratch: PagedKVCache
+    done: int
+    seconds: float = 0.0
+
+
+def scratch_with_prefix(kv: PagedKVCache, n: int, slots: torch.Tensor, start: int) -> PagedKVCache:
+    """A KV buffer of its own for ``n`` positions (slot = position), the exact KV of positions below
+    ``start`` (a prefix hit, at ``slots`` in ``kv``) copied into it. ``kv`` is only read."""
     bs = kv.block_size
     scratch = PagedKVCache(kv.config, -(-n // bs), bs, kv.dtype, kv.device)
     if start:
@@ -107,30 +120,71 @@ def full_prefill_logits(model: LlamaForCausalLM, kv: PagedKVCache, token_ids: li
         for layer in range(len(kv.k)):
             scratch.k[layer][:start] = kv.k[layer].index_select(0, src)
             scratch.v[layer][:start] = kv.v[layer].index_select(0, src)
-    out = blend_forward(model, scratch, torch.tensor(token_ids, dtype=torch.long), torch.arange(n), start,
-                        torch.zeros(n, dtype=torch.bool), torch.arange(n - rows, n), None)
-    return out.logits
+    return scratch
+
+
+@torch.inference_mode()
+def prefill_piece(model: LlamaForCausalLM, job: AuditJob, budget: int | None) -> torch.Tensor | None:
+    """The job's next positions, at most ``budget`` (None: all), computed behind the exact KV below
+    ``job.done`` — a chunked prefill. Returns the last ``len(job.record.rows)`` positions' logits
+    ``[k, V]`` once the end is reached, else None. A piece short of the end stops before those
+    positions, so that the last piece computes them all (it may exceed the budget by them: k <= 64)."""
+    n, k = len(job.token_ids), len(job.record.rows)
+    end = n if budget is None or job.done + budget >= n else min(job.done + budget, n - k)
+    if end <= job.done:
+        end = n
+    read = torch.arange(n - k, n) if end == n else torch.tensor([end - 1])
+    out = blend_forward(model, job.scratch, torch.tensor(job.token_ids[:end], dtype=torch.long), torch.arange(end),
+                        job.done, torch.zeros(end, dtype=torch.bool), read, None)
+    job.done = end
+    return out.logits if end == n else None
 
 
 class ShadowAudit:
-    """Which requests to audit (a seeded draw) and what the audits found."""
+    """Which requests to audit (a seeded draw), the audits under way, and what the audits found."""
 
     def __init__(self, seed: int = 0) -> None:
         self._draw = random.Random(seed)
         self.stats = AuditStats()
+        self.jobs: deque[AuditJob] = deque()
 
     def sampled(self, rate: float) -> bool:
         """Whether to audit the next answer, at ``rate`` (0: never, 1: always; no draw at either)."""
         return rate >= 1 or (rate > 0 and self._draw.random() < rate)
 
-    def measure(self, model: LlamaForCausalLM, kv: PagedKVCache, record: AuditRecord, answer: list[int],
-                bound: float) -> float:
-        """Audit one answer: ``record``, its rows (at least one); ``answer``, its tokens (the first
-        ``len(record.rows) - 1`` are computed with the prompt). Returns the measured drift (mean KL)."""
+    def begin(self, kv: PagedKVCache, record: AuditRecord, answer: list[int]) -> None:
+        """Start auditing an answer: ``record``, its rows (at least one); ``answer``, its tokens (the first
+        ``len(record.rows) - 1`` are computed with the prompt). The prefix hit is copied now: from here on
+        the audit reads nothing of the pool, and the caller may let its blocks go."""
         t0 = time.perf_counter()
-        k = len(record.rows)
-        ids = record.prompt_token_ids + answer[:k - 1]
-        full = full_prefill_logits(model, kv, ids, record.slots, record.start, rows=k)
-        kl = kl_to_full(full, torch.stack(record.rows).to(full.device))
-        self.stats.add(kl, bound, time.perf_counter() - t0, record.tenant, tokens=k)
-        return kl
+        ids = record.prompt_token_ids + answer[:len(record.rows) - 1]
+        job = AuditJob(record, ids, scratch_with_prefix(kv, len(ids), record.slots, record.start), record.start)
+        job.seconds = time.perf_counter() - t0
+        self.jobs.append(job)
+
+    def advance(self, model: LlamaForCausalLM, budget: int | None, bound: float) -> list[tuple[AuditJob, float]]:
+        """The oldest audit's next piece, at most ``budget`` positions, or with ``budget`` None every
+        audit to its end. Returns ``(audit, measured drift)`` of those this completed (counted, with
+        ``bound``, in :attr:`stats`); an audit that raised is dropped, counted as failed and logged."""
+        finished = []
+        while self.jobs:
+            job = self.jobs[0]
+            t0 = time.perf_counter()
+            try:
+                full = prefill_piece(model, job, budget)
+            except Exception:  # noqa: BLE001 - an audit observes; it must not fail a step
+                self.jobs.popleft()
+                self.stats.failed += 1
+                logger.exception("auditing an answer from reused KV failed")
+                if budget is None:
+                    continue
+                break
+            job.seconds += time.perf_counter() - t0
+            if full is not None:
+                self.jobs.popleft()
+                kl = kl_to_full(full, torch.stack(job.record.rows).to(full.device))
+                self.stats.add(kl, bound, job.seconds, job.record.tenant, tokens=len(job.record.rows))
+                finished.append((job, kl))
+            if budget is not None:
+                break
+        return finished

@@ -231,6 +231,7 @@ class LLMEngine:
                 return outputs + [self._fail(*f) for f in failed] + [
                     self._fail(s.seq, f"engine error in the forward pass: {exc}", "step") for s in sched.scheduled]
             self.scheduler.update(sched)
+            self.segment_reuse.stepped()
             record_prompt_logprobs(result.prompt_logprobs)
             outputs += [self._fail(*f) for f in failed]
             outputs += self._process_samples(result)
@@ -356,11 +357,12 @@ class LLMEngine:
         return self.outputs.make_output(seq)
 
     def finish_pending(self) -> None:
-        """Work a step deferred past its outputs (automatic reuse's stores: blend/engine_hook.py), done
-        now. Every step starts with it; a caller that stops stepping (idle, or done) calls it, so that the
-        blocks that work holds go back to the pool."""
+        """Work a step deferred past its outputs (automatic reuse's stores and audits: blend/engine_hook.py),
+        done now. Every step starts with it; a caller that stops stepping (idle, or done) calls it, so that
+        the blocks that work holds go back to the pool. While requests decode, an audit advances one piece
+        between two steps (at most the prefill allowance beside decodes, engine/pace.py)."""
         if self.segment_reuse.has_pending:
-            self.segment_reuse.finish_pending(self.cache)
+            self.segment_reuse.finish_pending(self.cache, self.scheduler.decode_allowance())
 
     # ---- cache control and stats ---------------------------------------------------------
     def reset_prefix_cache(self) -> bool:

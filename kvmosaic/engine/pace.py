@@ -19,6 +19,11 @@ its selective recompute needs the whole prompt; it costs a fraction of a full pr
 that reason is not observed either (only the model runner's forward passes are: a blend's time
 per prompt token, ~0.3 of a prefill's, would raise the allowance past the stall target).
 
+Cut, between steps: the shadow audit's full prefill of an answer from reused KV (blend/shadow.py), one
+piece of at most the allowance between two steps while any request decodes (``decode_allowance``), so a
+stream waits for at most about two allowances (the step's prefill and the piece), not for the audit of a
+whole prompt.
+
 Invariants: the allowance is at least :data:`MIN_CHUNK` tokens (a prompt always advances);
 before a step of :data:`MIN_SAMPLE` prompt tokens was measured it is :data:`UNMEASURED_CHUNK`; the
 pace changes how a prompt is cut into steps, never what a request generates (a chunked prefill

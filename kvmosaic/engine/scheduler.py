@@ -247,14 +247,19 @@ class Scheduler:
             out.preempted.append(victim)
             self.waiting = order_waiting(self.waiting)
 
-    def _prefill_allowance(self) -> int:
-        """Prompt tokens this step may compute: while any request is decoding, what the engine
-        computes in ``max_decode_stall_ms`` (engine/pace.py); otherwise the whole token budget."""
-        budget = self.config.max_num_batched_tokens
+    def decode_allowance(self) -> int | None:
+        """Prompt tokens a step may compute beside the requests decoding now: what the engine computes
+        in ``max_decode_stall_ms`` (engine/pace.py); None when none is decoding or no target is set."""
         allowance = self.pace.allowance()
         if allowance is None or not any(s.num_uncomputed <= 1 for s in self.running):
-            return budget
-        return min(budget, allowance)
+            return None
+        return allowance
+
+    def _prefill_allowance(self) -> int:
+        """Prompt tokens this step may compute: :meth:`decode_allowance`, else the whole token budget."""
+        budget = self.config.max_num_batched_tokens
+        allowance = self.decode_allowance()
+        return budget if allowance is None else min(budget, allowance)
 
     def _express_step(self, out: SchedulerOutput, prefill: int) -> bool:
         """A step of its own for newcomers of tenants served less than everyone running
