@@ -270,6 +270,24 @@ def test_an_audit_beside_decoding_streams_runs_in_pieces_between_steps(llm, monk
     assert kl == pytest.approx(whole_kl, rel=1e-3, abs=1e-7) and kl > 1e-5
 
 
+def test_answers_drawn_while_the_most_audits_are_open_are_skipped_and_counted(llm, monkeypatch):
+    monkeypatch.setattr(shadow, "MAX_IN_FLIGHT", 1)
+    e = llm.engine
+    e.config.auto_reuse_audit_tokens = 4
+    try:
+        reused(llm)
+        assert e.reset_prefix_cache()
+        before = e.get_stats()
+        outs = llm.generate([text(DOCS[1:] + DOCS[:1]), text(DOCS[2:] + DOCS[:2])], GREEDY)
+        st = e.get_stats()
+    finally:
+        e.config.auto_reuse_audit_tokens = 1
+    assert all(o.auto_reuse["tokens"] > 0 for o in outs)
+    assert st.auto_reuse_audits == before.auto_reuse_audits + 1
+    assert st.auto_reuse_audits_skipped == before.auto_reuse_audits_skipped + 1
+    assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending
+
+
 def test_the_options_are_checked():
     for bad in ({"auto_reuse_audit_rate": 1.5}, {"auto_reuse_audit_rate": float("nan")},
                 {"auto_reuse_audit_tokens": 0}, {"auto_reuse_audit_tokens": 65},

@@ -40,6 +40,7 @@ from ..cache.segments import segment_seed
 from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from ..tiers import TierStack
+from . import shadow
 from .auto import AutoReuse, auto_floor, rule_for
 from .blender import Blender, BlendOptions
 from .breaker import TRIP_HOLD_S, DriftBreaker
@@ -236,6 +237,13 @@ class SegmentReuse:
         c = self.config
         return c.auto_reuse_audit_bound if c.auto_reuse_audit_bound is not None else c.auto_reuse_max_drift
 
+    def _audit_room(self) -> bool:
+        """Whether another audit may open (``shadow.MAX_IN_FLIGHT``); counted as skipped when not."""
+        if len(self._auditing) + len(self.audit.jobs) < shadow.MAX_IN_FLIGHT:
+            return True
+        self.audit.stats.skipped += 1
+        return False
+
     def _begin_audit(self, record: AuditRecord, answer: list[int]) -> None:
         """Start one shadow audit (``shadow.py``); a failure is counted and logged, and costs nothing else."""
         try:
@@ -268,7 +276,7 @@ class SegmentReuse:
             self._defer(cache, seq.request_id, partial(self.auto.harvest, seq.prompt_token_ids, slots, seq.cache_salt,
                                                        seq.adapter_id, reused=spans, computed_from=start,
                                                        folds=res.folds))
-            if res.num_reused_tokens and self.audit.sampled(self.config.auto_reuse_audit_rate):
+            if res.num_reused_tokens and self.audit.sampled(self.config.auto_reuse_audit_rate) and self._audit_room():
                 self._auditing[seq.request_id] = (seq, AuditRecord(
                     list(seq.prompt_token_ids), slots, start, (seq.cache_salt, seq.adapter_id), seq.tenant,
                     cache.hold(seq.request_id), seq.num_preemptions))

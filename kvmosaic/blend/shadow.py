@@ -8,11 +8,12 @@ The engine keeps the logits rows its first ``auto_reuse_audit_tokens`` answer to
 (:class:`AuditRecord`); once they are out, or the request ended (deferred with the chunk stores,
 ``engine_hook.py``), the prompt and those answer tokens are computed again in full in a scratch KV
 buffer of its own (the prefix hit copied from the pool, exact; every later token recomputed, attending
-only to exact KV) — a chunked prefill, one piece between two steps while other requests decode (at most
-the prefill allowance beside decodes, engine/pace.py: :class:`AuditJob`) — and the audit's drift is ``KL(full || reused)`` at each of those positions, averaged:
-with one token (the default) the benchmark's ``KL first``, with 16 its teacher-forced ``KL mean`` (forced
-with the answer's own tokens). The counters give operators the guard's real record live: how many
-audited answers drifted past the bound, and the distribution of the drift.
+only to exact KV) — a chunked prefill, one piece between two steps while other requests decode (at
+most the prefill allowance beside decodes, engine/pace.py: :class:`AuditJob`) — and the audit's drift
+is ``KL(full || reused)`` at each of those positions, averaged: with one token (the default) the
+benchmark's ``KL first``, with 16 its teacher-forced ``KL mean`` (forced with the answer's own tokens).
+The counters give operators the guard's real record live: how many audited answers drifted past the
+bound, and the distribution of the drift.
 
 Invariants: the audit reads the pool and writes only its scratch buffer (the request's KV, the
 prefix cache and the segment store are unchanged); it never changes an answer; a request that the
@@ -36,12 +37,16 @@ from ..kv.paged import PagedKVCache
 from ..model.llama import LlamaForCausalLM
 from .forward import blend_forward
 
+logger = logging.getLogger("kvmosaic.blend")
 # Upper bounds of the drift histogram's buckets (KL in nats; +Inf is implied): about the bound's
 # decade and two on either side, where the guard's estimate and the measured drift are compared.
-logger = logging.getLogger("kvmosaic.blend")
 KL_BUCKETS = (0.001, 0.003, 0.01, 0.02, 0.03, 0.05, 0.1, 0.3, 1.0)
 MAX_TENANTS = 256
 MAX_AUDIT_TOKENS = 64  # answer tokens an audit may cover: each keeps a float32 logits row [V] until it runs
+# Audits collecting rows or under way at once (each holds its rows, then a scratch KV buffer of its prompt);
+# an answer drawn while this many are open is not audited (``AuditStats.skipped``), so a backlog of audits
+# behind busy steps never grows memory without bound.
+MAX_IN_FLIGHT = 4
 
 
 @dataclass
@@ -66,6 +71,7 @@ class AuditStats:
     kl_sum: float = 0.0
     kl_counts: list[int] = field(default_factory=lambda: [0] * (len(KL_BUCKETS) + 1))  # per bucket, +Inf last
     failed: int = 0  # audits that raised (logged; the request was not affected)
+    skipped: int = 0  # answers drawn for an audit while MAX_IN_FLIGHT were open: not audited
     seconds: float = 0.0  # spent auditing (on the engine's thread, between steps)
     tokens: int = 0  # answer tokens the audits covered (audits x auto_reuse_audit_tokens, less for short answers)
     buckets: tuple[float, ...] = KL_BUCKETS

@@ -46,6 +46,7 @@ class EngineStats:
     auto_reuse_audits: int = 0
     auto_reuse_audits_over_bound: int = 0
     auto_reuse_audits_failed: int = 0
+    auto_reuse_audits_skipped: int = 0  # drawn while shadow.MAX_IN_FLIGHT audits were open
     auto_reuse_audit_seconds: float = 0.0
     auto_reuse_audited_tokens: int = 0  # answer tokens the audits covered (--auto-reuse-audit-tokens each, at most)
     auto_reuse_audit_kl: dict = field(default_factory=dict)
@@ -127,10 +128,11 @@ def auto_reuse_stats(st) -> dict[str, int]:
 
 def audit_stats(st) -> dict:
     """The shadow audit's counters and KL histogram (blend/shadow.py); {} before any audit."""
-    if not st.audits and not st.failed:
+    if not st.audits and not st.failed and not st.skipped:
         return {}
     return {"auto_reuse_audits": st.audits, "auto_reuse_audits_over_bound": st.over_bound,
-            "auto_reuse_audits_failed": st.failed, "auto_reuse_audit_seconds": st.seconds,
+            "auto_reuse_audits_failed": st.failed, "auto_reuse_audits_skipped": st.skipped,
+            "auto_reuse_audit_seconds": st.seconds,
             "auto_reuse_audited_tokens": st.tokens,
             "auto_reuse_audit_kl": {"buckets": list(st.buckets), "counts": list(st.kl_counts), "sum": st.kl_sum},
             "auto_reuse_audit_tenants": {t: {"audits": a, "over_bound": o} for t, (a, o) in st.tenants.items()}}

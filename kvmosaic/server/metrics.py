@@ -28,9 +28,10 @@ backends), ``kvmosaic:kv_events_dropped_total`` and ``kvmosaic:fair_share_antici
 ``_hits_total`` / ``_held_seconds_total`` (engine/anticipation.py); automatic reuse's
 ``kvmosaic:auto_reuse_requests_total`` / ``_tokens_total`` / ``_fallbacks_total`` / ``_repairs_total`` /
 ``_repaired_tokens_total`` and its shadow audit's ``kvmosaic:auto_reuse_audits_total`` /
-``_audits_over_bound_total`` / ``_audits_failed_total`` / ``_audit_seconds_total`` / ``_audited_tokens_total`` /
-``_audit_trips_total``, the histogram ``kvmosaic:auto_reuse_audit_kl``, per tenant ``kvmosaic:tenant_auto_reuse_audits_total`` /
-``_audits_over_bound_total`` and the gauge ``kvmosaic:auto_reuse_namespaces_off``.
+``_audits_over_bound_total`` / ``_audits_failed_total`` / ``_audits_skipped_total`` / ``_audit_seconds_total`` /
+``_audited_tokens_total`` / ``_audit_trips_total``, the histogram ``kvmosaic:auto_reuse_audit_kl``, per tenant
+``kvmosaic:tenant_auto_reuse_audits_total`` / ``_audits_over_bound_total`` and the gauge
+``kvmosaic:auto_reuse_namespaces_off``.
 Counters and gauges are read at scrape time from a snapshot the engine thread takes for that scrape, so
 they cannot drift from what the engine counts.
 """
@@ -168,6 +169,8 @@ def audit_metrics(st: EngineStats, model_name: str) -> Iterator[Metric]:
              st.auto_reuse_audits_over_bound),
             ("auto_reuse_audits_failed", "Audits that failed (logged; no request affected).",
              st.auto_reuse_audits_failed),
+            ("auto_reuse_audits_skipped", "Answers drawn for an audit while the most audits that may be open "
+                                          "were (4): not audited.", st.auto_reuse_audits_skipped),
             ("auto_reuse_audit_seconds", "Seconds the engine spent auditing (between steps).",
              st.auto_reuse_audit_seconds),
             ("auto_reuse_audited_tokens", "Answer tokens those audits covered (--auto-reuse-audit-tokens each, "
