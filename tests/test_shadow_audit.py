@@ -4,6 +4,8 @@ that turns reuse off for a namespace whose audits drift (kvmosaic/blend/breaker.
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -131,17 +133,13 @@ def test_an_audit_over_the_answer_measures_its_mean_kl_to_ordinary_prefills(llm,
     """``auto_reuse_audit_tokens`` 4: the drift counted is the mean over the answer's first four tokens of the
     KL between the distribution each was drawn from and the one another engine's ordinary prefill of the
     prompt and the answer's tokens before it gives there (teacher-forced with the answer's own tokens)."""
-    e = llm.engine
-    e.config.auto_reuse_audit_tokens = 4
-    try:
+    with audit_tokens(llm, 4) as e:
         reused(llm)  # the store holds the documents in order; this request's audit is counted before
         before = e.get_stats()
         assert e.reset_prefix_cache()
         rows, out = drawn_logits(llm, text(DOCS[::-1]))
         assert out.auto_reuse["tokens"] > 0 and len(out.token_ids) == 6
         st = e.get_stats()
-    finally:
-        e.config.auto_reuse_audit_tokens = 1
     prompt = plain.engine.tokenizer.encode(text(DOCS[::-1]))
     assert prompt == out.prompt_token_ids
     want = []
@@ -157,66 +155,61 @@ def test_an_audit_over_the_answer_measures_its_mean_kl_to_ordinary_prefills(llm,
     assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending
 
 
-def test_a_shorter_answer_is_audited_over_the_tokens_it_has(llm):
-    e = llm.engine
-    e.config.auto_reuse_audit_tokens = 16  # more than GREEDY's 6
+@contextlib.contextmanager
+def audit_tokens(llm, k):
+    """The engine with ``auto_reuse_audit_tokens`` k, back to 1 after."""
+    llm.engine.config.auto_reuse_audit_tokens = k
     try:
+        yield llm.engine
+    finally:
+        llm.engine.config.auto_reuse_audit_tokens = 1
+
+
+def test_a_shorter_answer_is_audited_over_the_tokens_it_has(llm):
+    with audit_tokens(llm, 16) as e:  # more than GREEDY's 6
         before = e.get_stats()
         _, out = reused(llm)
         st = e.get_stats()
-    finally:
-        e.config.auto_reuse_audit_tokens = 1
     assert len(out.token_ids) == 6
     assert st.auto_reuse_audits == before.auto_reuse_audits + 1  # the documents in order reused nothing
     assert st.auto_reuse_audited_tokens == before.auto_reuse_audited_tokens + 6
     assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending
 
 
-def test_an_aborted_answer_is_audited_on_its_rows_and_gives_its_blocks_back(llm):
-    e = llm.engine
-    e.config.auto_reuse_audit_tokens = 16
-    try:
+def interrupted(llm, docs, max_tokens: int, after: int, interrupt):
+    """The documents in ``docs``' order, audited over 16 tokens, interrupted (``interrupt(engine, seq)``) once
+    ``after`` tokens are out, then run to the end: (the sequence, the stats before it, after it)."""
+    with audit_tokens(llm, 16) as e:
         reused(llm)
         assert e.reset_prefix_cache()
         before = e.get_stats()
-        seq = e.add_request(text(DOCS[1:] + DOCS[:1]), SamplingParams(max_tokens=40, temperature=0))
-        while len(seq.output_token_ids) < 3:
+        seq = e.add_request(text(docs), SamplingParams(max_tokens=max_tokens, temperature=0))
+        while len(seq.output_token_ids) < after:
             e.step()
         assert seq.num_auto_tokens > 0 and e.segment_reuse.has_pending
-        e.abort_request(seq.request_id)
+        interrupt(e, seq)
+        while e.has_unfinished_requests():
+            e.step()
         e.finish_pending()
-        st = e.get_stats()
-    finally:
-        e.config.auto_reuse_audit_tokens = 1
+        return seq, before, e.get_stats()
+
+
+def test_an_aborted_answer_is_audited_on_its_rows_and_gives_its_blocks_back(llm):
+    seq, before, st = interrupted(llm, DOCS[1:] + DOCS[:1], 40, 3, lambda e, seq: e.abort_request(seq.request_id))
+    assert seq.finish_reason == "abort"
     assert st.auto_reuse_audits == before.auto_reuse_audits + 1
     assert st.auto_reuse_audited_tokens == before.auto_reuse_audited_tokens + 3
-    assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending and not e.has_unfinished_requests()
+    assert st.kv_cache_usage == 0 and not llm.engine.segment_reuse.has_pending
 
 
 def test_a_preempted_answer_is_audited_on_the_rows_it_drew_from_reused_kv(llm):
     """Preempted (as under memory pressure), a request's KV is recomputed by an ordinary prefill: its later
     tokens are not drawn from reused KV, so its audit covers the rows before; it finishes as usual."""
-    e = llm.engine
-    e.config.auto_reuse_audit_tokens = 16
-    try:
-        reused(llm)
-        assert e.reset_prefix_cache()
-        before = e.get_stats()
-        seq = e.add_request(text(DOCS[2:] + DOCS[:2]), SamplingParams(max_tokens=8, temperature=0))
-        while len(seq.output_token_ids) < 2:
-            e.step()
-        assert seq.num_auto_tokens > 0
-        e.scheduler._preempt(seq)
-        while e.has_unfinished_requests():
-            e.step()
-        e.finish_pending()
-        st = e.get_stats()
-    finally:
-        e.config.auto_reuse_audit_tokens = 1
+    seq, before, st = interrupted(llm, DOCS[2:] + DOCS[:2], 8, 2, lambda e, seq: e.scheduler._preempt(seq))
     assert seq.finish_reason == "length" and len(seq.output_token_ids) == 8 and seq.num_preemptions == 1
     assert st.auto_reuse_audits == before.auto_reuse_audits + 1
     assert st.auto_reuse_audited_tokens == before.auto_reuse_audited_tokens + 2
-    assert st.kv_cache_usage == 0 and not e.segment_reuse.has_pending
+    assert st.kv_cache_usage == 0 and not llm.engine.segment_reuse.has_pending
 
 
 def audit_beside_a_stream(llm, monkeypatch, allowance):
@@ -272,16 +265,12 @@ def test_an_audit_beside_decoding_streams_runs_in_pieces_between_steps(llm, monk
 
 def test_answers_drawn_while_the_most_audits_are_open_are_skipped_and_counted(llm, monkeypatch):
     monkeypatch.setattr(shadow, "MAX_IN_FLIGHT", 1)
-    e = llm.engine
-    e.config.auto_reuse_audit_tokens = 4
-    try:
+    with audit_tokens(llm, 4) as e:
         reused(llm)
         assert e.reset_prefix_cache()
         before = e.get_stats()
         outs = llm.generate([text(DOCS[1:] + DOCS[:1]), text(DOCS[2:] + DOCS[:2])], GREEDY)
         st = e.get_stats()
-    finally:
-        e.config.auto_reuse_audit_tokens = 1
     assert all(o.auto_reuse["tokens"] > 0 for o in outs)
     assert st.auto_reuse_audits == before.auto_reuse_audits + 1
     assert st.auto_reuse_audits_skipped == before.auto_reuse_audits_skipped + 1
