@@ -113,11 +113,11 @@ def tier_figures(stats) -> list[dict]:
     return out
 
 
-def auto_reuse_figures(config, stats) -> dict | None:
+def auto_reuse_figures(engine, stats) -> dict | None:
     """Automatic reuse's counters and its audit's record (``EngineStats``), or None when the mode is off."""
+    config = engine.config
     if config.segment_reuse != "auto":
         return None
-    bound = config.auto_reuse_audit_bound if config.auto_reuse_audit_bound is not None else config.auto_reuse_max_drift
     kl = stats.auto_reuse_audit_kl or {"buckets": list(KL_BUCKETS), "counts": [0] * (len(KL_BUCKETS) + 1), "sum": 0.0}
     return {"requests": stats.auto_reuse_requests, "tokens": stats.auto_reuse_tokens,
             "fallbacks": stats.auto_reuse_fallbacks, "repairs": stats.auto_reuse_repairs,
@@ -125,7 +125,8 @@ def auto_reuse_figures(config, stats) -> dict | None:
             "failed": stats.auto_reuse_audits_failed, "audited_tokens": stats.auto_reuse_audited_tokens,
             "trips": stats.auto_reuse_audit_trips, "namespaces_off": stats.auto_reuse_namespaces_off,
             "kl": kl, "tenants": dict(stats.auto_reuse_audit_tenants or {}),
-            "bound": bound, "audit_rate": config.auto_reuse_audit_rate, "audit_tokens": config.auto_reuse_audit_tokens}
+            "bound": engine.segment_reuse.audit_bound, "audit_rate": config.auto_reuse_audit_rate,
+            "audit_tokens": config.auto_reuse_audit_tokens}
 
 
 def cache_state(engine, show_text: bool = False, top_n: int = 10, max_nodes: int = 300) -> dict:
@@ -161,5 +162,5 @@ def cache_state(engine, show_text: bool = False, top_n: int = 10, max_nodes: int
         "prefixes": prefixes,
         "show_text": show_text,
         "tiers": tier_figures(stats),
-        "auto_reuse": auto_reuse_figures(engine.config, stats),
+        "auto_reuse": auto_reuse_figures(engine, stats),
     }

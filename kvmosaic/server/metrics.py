@@ -44,6 +44,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from ..blend.shadow import MAX_IN_FLIGHT
 from ..engine.output_processor import RequestOutput
 from ..engine.stats import EngineStats
 
@@ -169,8 +170,8 @@ def audit_metrics(st: EngineStats, model_name: str) -> Iterator[Metric]:
              st.auto_reuse_audits_over_bound),
             ("auto_reuse_audits_failed", "Audits that failed (logged; no request affected).",
              st.auto_reuse_audits_failed),
-            ("auto_reuse_audits_skipped", "Answers drawn for an audit while the most audits that may be open "
-                                          "were (4): not audited.", st.auto_reuse_audits_skipped),
+            ("auto_reuse_audits_skipped", f"Answers drawn for an audit while the most audits that may be open "
+                                          f"were ({MAX_IN_FLIGHT}): not audited.", st.auto_reuse_audits_skipped),
             ("auto_reuse_audit_seconds", "Seconds the engine spent auditing (between steps).",
              st.auto_reuse_audit_seconds),
             ("auto_reuse_audited_tokens", "Answer tokens those audits covered (--auto-reuse-audit-tokens each, "
